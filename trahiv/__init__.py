@@ -1,0 +1,32 @@
+"""trahiv: train Hugging Face transformers together over the Internet, on hivemind.
+
+`from trahiv import Trainer, TrainingArguments` and add `hivemind_config` to join a swarm. Importing trahiv is
+cheap: the Trainer (torch, transformers) and the engine load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["DHTConfig", "HivemindConfig", "OptimizerConfig", "Trainer", "TrainingArguments", "__version__"]
+
+_LAZY = {
+    "Trainer": "trahiv.trainer",
+    "TrainingArguments": "trahiv.trainer",
+    "HivemindConfig": "trahiv.config",
+    "DHTConfig": "trahiv.config",
+    "OptimizerConfig": "trahiv.config",
+}
+
+if TYPE_CHECKING:
+    from trahiv.config import DHTConfig, HivemindConfig, OptimizerConfig
+    from trahiv.trainer import Trainer, TrainingArguments
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trahiv' has no attribute {name!r}")

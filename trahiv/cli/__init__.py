@@ -1,0 +1,1 @@
+"""The `trahiv` command: one module per subcommand, each registering its own parser."""

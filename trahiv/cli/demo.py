@@ -1,0 +1,185 @@
+"""`trahiv demo`: a whole swarm on this machine. A bootstrap peer and N trainer peers (separate processes on
+127.0.0.1) fine-tune a small GPT-2 built from a config on text shipped with trahiv, then print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PEER_START_TIMEOUT = 90.0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("demo", help="train a small GPT-2 with a local swarm of peers on 127.0.0.1")
+    parser.add_argument("--peers", type=int, default=2, help="number of trainer peers (>= 1)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 4], help="per-peer batch sizes (cycled)")
+    parser.add_argument("--max-steps", type=int, default=10, help="collaborative steps to train")
+    parser.add_argument("--target-batch-size", type=int, default=192, help="global samples per collaborative step")
+    parser.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to form an averaging group")
+    parser.add_argument("--run-id", default="trahiv_demo", help="swarm name")
+    parser.add_argument("--workdir", default=None, help="where to write data, logs and outputs (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
+    parser.add_argument("--role", choices=["swarm", "trainer"], default="swarm", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.peers < 1 or args.max_steps < 1 or args.target_batch_size < 1:
+        raise ValueError("--peers, --max-steps and --target-batch-size must be positive")
+    return run_trainer(args) if args.role == "trainer" else run_swarm(args)
+
+
+# --- the orchestrator ---------------------------------------------------------------------------------------------
+
+
+def run_swarm(args: argparse.Namespace) -> int:
+    from trahiv.demo import prepare_workdir
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trahiv-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer on 127.0.0.1, working in {workdir}", flush=True)
+    prepare_workdir(workdir)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "trahiv.cli.main"]
+    addresses_file = workdir / "initial_peers.json"
+    processes: list[subprocess.Popen] = []
+    deadline = time.monotonic() + args.timeout
+    try:
+        processes.append(
+            subprocess.Popen(
+                [*command, "dht", "--no-nat-port-map", "--addresses-file", str(addresses_file)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
+        initial_peers = _wait_for_addresses(addresses_file, processes[0])
+        print(f"Bootstrap peer is up. To join the training, use initial_peers = {initial_peers}", flush=True)
+        trainers = []
+        for index in range(args.peers):
+            batch_size = args.batch_sizes[index % len(args.batch_sizes)]
+            log = open(workdir / f"peer{index}.log", "w")
+            trainer_args = [
+                *command, "demo", "--role", "trainer", "--workdir", str(workdir), "--index", str(index),
+                "--batch-size", str(batch_size), "--max-steps", str(args.max_steps),
+                "--target-batch-size", str(args.target_batch_size), "--matchmaking-time", str(args.matchmaking_time),
+                "--run-id", args.run_id, "--initial-peers", *initial_peers,
+            ]  # fmt: skip
+            trainers.append(subprocess.Popen(trainer_args, env=env, stderr=log))
+            processes.append(trainers[-1])
+        codes = [_wait(p, deadline) for p in trainers]
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+    return _summarize(workdir, args, codes)
+
+
+def _wait_for_addresses(path: Path, process: subprocess.Popen) -> list[str]:
+    deadline = time.monotonic() + PEER_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size > 0:
+            return json.loads(path.read_text())
+        if process.poll() is not None:
+            raise RuntimeError(f"the bootstrap peer exited with code {process.returncode}")
+        time.sleep(0.2)
+    raise RuntimeError(f"the bootstrap peer did not start within {PEER_START_TIMEOUT:.0f} s")
+
+
+def _wait(process: subprocess.Popen, deadline: float) -> int:
+    try:
+        return process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return -1
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()  # SIGTERM: peers leave the swarm cleanly
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _summarize(workdir: Path, args: argparse.Namespace, codes: list[int]) -> int:
+    rows = []
+    for index, code in enumerate(codes):
+        path = workdir / f"peer{index}.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        if code != 0 or summary is None:
+            print(f"peer {index} failed (exit code {code}); see {workdir / f'peer{index}.log'}", file=sys.stderr)
+            return 1
+        rows.append(summary)
+    total = sum(row["samples_contributed"] for row in rows) or 1
+    print("\n=== trahiv demo summary ===")
+    print(f"collaborative steps: {max(row['collaborative_steps'] for row in rows)} (target {args.max_steps}), "
+          f"{args.target_batch_size} samples each")  # fmt: skip
+    print(f"{'peer':<6}{'peer id':<20}{'batch':>6}{'samples':>9}{'share':>8}{'loss start':>12}{'loss end':>10}")
+    for index, row in enumerate(rows):
+        print(
+            f"{index:<6}{row['peer_id'][-16:]:<20}{row['batch_size']:>6}{row['samples_contributed']:>9}"
+            f"{row['samples_contributed'] / total:>8.0%}{row['first_loss']:>12.3f}{row['last_loss']:>10.3f}"
+        )
+    print(f"outputs and logs: {workdir}")
+    return 0
+
+
+# --- one trainer peer ---------------------------------------------------------------------------------------------
+
+
+def run_trainer(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+
+    from trahiv import Trainer, TrainingArguments
+    from trahiv.demo import BlockDataset
+
+    workdir, index = Path(args.workdir), args.index
+    losses: list[float] = []
+
+    class Report(TrainerCallback):
+        def on_log(self, _args: Any, state: Any, _control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+                print(
+                    f"[peer {index}] step {logs.get('collaborative_step')}/{args.max_steps} loss {logs['loss']:.3f} "
+                    f"peers {logs.get('swarm_peers')} swarm {logs.get('swarm_samples_per_second', 0):.0f} samples/s "
+                    f"contributed {logs.get('samples_contributed')}",
+                    flush=True,
+                )
+
+    training_args = TrainingArguments(
+        output_dir=str(workdir / f"peer{index}"), per_device_train_batch_size=args.batch_size,
+        max_steps=args.max_steps, learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear",
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
+        hivemind_config={
+            "dht": {"initial_peers": args.initial_peers, "nat_port_map": False},
+            "opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size,
+                    "matchmaking_time": args.matchmaking_time, "averaging_timeout": 30.0},
+        },
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model")
+    trainer = Trainer(model=model, args=training_args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
+    trainer.remove_callback(PrinterCallback)  # the Report line replaces the raw log dicts
+    trainer.add_callback(Report())
+    peer_id = trainer.swarm.peer_id
+    trainer.train()
+    summary = {
+        "peer_id": peer_id,
+        "batch_size": args.batch_size,
+        "collaborative_steps": trainer.state.global_step,
+        "samples_contributed": trainer.swarm.optimizer.samples_contributed,
+        "first_loss": losses[0] if losses else float("nan"),
+        "last_loss": losses[-1] if losses else float("nan"),
+    }
+    (workdir / f"peer{index}.json").write_text(json.dumps(summary))
+    return 0

@@ -1,0 +1,64 @@
+"""`trahiv dht`: a bootstrap peer, the swarm's stable entry point; it prints the addresses volunteers join with."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("dht", help="run a bootstrap DHT peer (stable entry point of a swarm)")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of other bootstrap peers")
+    parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], help="addresses to listen on")
+    parser.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses to announce")
+    parser.add_argument("--identity-path", default=None, help="key file fixing the peer ID (created if missing)")
+    parser.add_argument("--no-nat-port-map", dest="nat_port_map", action="store_false", help="do not ask the gateway")
+    parser.add_argument("--addresses-file", default=None, help="also write the join addresses there (JSON)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trahiv.config import DHTConfig
+    from trahiv.engine import interrupt_on_signals
+    from trahiv.swarm import join_addresses, start_dht
+
+    config = DHTConfig(
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        nat_port_map=args.nat_port_map,
+    )
+    if args.identity_path:
+        _ensure_identity(args.identity_path)
+    dht = start_dht(config)
+    addresses = join_addresses(dht)
+    print(f"To join the training, use initial_peers = {addresses}", flush=True)
+    if args.addresses_file:
+        with open(args.addresses_file, "w") as f:
+            json.dump(addresses, f)
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        with interrupt_on_signals():
+            while dht.is_alive() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("Stopping the bootstrap peer", file=sys.stderr)
+    finally:
+        dht.shutdown()
+    return 0 if deadline is not None or not dht.is_alive() else 1
+
+
+def _ensure_identity(path: str) -> None:
+    """Create the key file on first use, so the peer ID (and the join address) survive restarts."""
+    import os
+
+    if os.path.exists(path):
+        return
+    from hivemind.p2p import P2P
+
+    P2P.generate_identity(path)
+    print(f"Created a new peer identity in {path}", file=sys.stderr)

@@ -1,0 +1,182 @@
+"""The typed `hivemind_config`: what a peer needs to join a swarm, validated before anything starts.
+
+`HivemindConfig.load(value)` accepts a dict, a JSON string or the path of a JSON/YAML file. Unknown keys fail with the
+closest valid key; every value is type-checked; multiaddrs are parsed. Nothing here imports torch or starts a process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["COMPRESSIONS", "DHTConfig", "HivemindConfig", "OptimizerConfig"]
+
+COMPRESSIONS = ("none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive")
+CompressionName = Literal[
+    "none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive"
+]
+
+
+def _check_maddr(value: str, *, need_peer_id: bool) -> str:
+    from hivemind.utils.multiaddr import Multiaddr  # light: pure-python module, no daemon
+
+    try:
+        maddr = Multiaddr(value)
+    except Exception as e:  # the engine raises several parse error classes
+        raise ValueError(f"malformed multiaddr {value!r}: {e}") from None
+    if need_peer_id and "p2p" not in {p.name for p in maddr.protocols()}:
+        raise ValueError(
+            f"initial peer {value!r} has no /p2p/<peer id> part; copy the whole address the other peer printed "
+            "after 'To join the training, use initial_peers = [...]'"
+        )
+    return value
+
+
+class _Section(BaseModel):
+    """Strict base: unknown keys fail naming the closest valid key."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            valid = list(cls.model_fields)
+            for key in data:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+                    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
+                    raise ValueError(f"unknown key {key!r}: {hint}")
+        return data
+
+
+class DHTConfig(_Section):
+    """Keyword arguments for `hivemind.DHT`: how this peer finds the swarm and how others reach it."""
+
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of running peers to join")
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        description="addresses to listen on; /ip4/0.0.0.0/tcp/0 accepts peers from other machines",
+    )
+    announce_maddrs: list[str] | None = Field(None, description="public addresses to announce (explicit ports)")
+    identity_path: str | None = Field(None, description="private key file that fixes this peer's ID")
+    client_mode: bool = Field(False, description="peer behind NAT: connects out, accepts no incoming connections")
+    use_relay: bool = Field(True, description="relay connections through other peers (libp2p circuit relay)")
+    use_auto_relay: bool = Field(False, description="find relays automatically when behind NAT")
+    nat_port_map: bool = Field(True, description="ask the gateway for a port mapping (UPnP/NAT-PMP)")
+    startup_timeout: float = Field(30.0, gt=0, description="seconds to wait for the p2p daemon to start")
+    bootstrap_timeout: float | None = Field(
+        None, gt=0, description="seconds to wait for initial peers to answer (default: wait_timeout)"
+    )
+    wait_timeout: float = Field(3.0, gt=0, description="seconds to wait for one DHT RPC")
+    num_workers: int = Field(4, ge=1, description="parallel DHT requests")
+    quic: bool | None = Field(None, description="also use QUIC (UDP) transport")
+    tls: bool = Field(True, description="encrypt connections with TLS")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers(cls, value: list[str]) -> list[str]:
+        return [_check_maddr(v, need_peer_id=True) for v in value]
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else [_check_maddr(v, need_peer_id=False) for v in value]
+
+    def kwargs(self) -> dict[str, Any]:
+        """Arguments for hivemind.DHT, leaving the engine's defaults where the user set nothing."""
+        return self.model_dump(exclude_none=True)
+
+
+class OptimizerConfig(_Section):
+    """Keyword arguments for `hivemind.Optimizer` (the swarm's collaborative optimizer)."""
+
+    run_id: str = Field(description="name of the swarm; peers with the same run_id train together")
+    target_batch_size: int = Field(gt=0, description="global samples per collaborative step")
+    batch_size_per_step: int | None = Field(
+        None, gt=0, description="samples per local step (default: per-device batch x accumulation x processes)"
+    )
+    matchmaking_time: float = Field(15.0, gt=0, description="seconds to wait for peers to form an averaging group")
+    averaging_timeout: float = Field(60.0, gt=0, description="give up an averaging round after this many seconds")
+    allreduce_timeout: float | None = Field(None, gt=0, description="bound on one all-reduce")
+    next_chunk_timeout: float | None = Field(None, gt=0, description="bound on waiting for the next chunk")
+    load_state_timeout: float = Field(600.0, gt=0, description="bound on downloading the state from a peer")
+    reuse_grad_buffers: bool = Field(False, description="accumulate into .grad directly (saves memory)")
+    offload_optimizer: bool = Field(True, description="keep optimizer state and master params on the CPU")
+    delay_optimizer_step: bool | None = Field(None, description="run the optimizer step in the background")
+    delay_grad_averaging: bool = Field(False, description="average gradients in the background (needs delay step)")
+    delay_state_averaging: bool = Field(True, description="average parameters in the background")
+    average_state_every: int = Field(1, ge=1, description="average parameters every this many steps")
+    use_local_updates: bool = Field(False, description="local optimizer steps + periodic parameter averaging")
+    grad_compression: CompressionName = Field("none", description=f"compression of gradients: {COMPRESSIONS}")
+    state_averaging_compression: CompressionName = Field("none", description="compression of averaged parameters")
+    load_state_compression: CompressionName = Field("none", description="compression of downloaded state")
+    average_opt_statistics: list[str] = Field(default_factory=list, description="optimizer stats to average")
+    averager_opts: dict[str, Any] = Field(default_factory=dict, description="extra averager keyword arguments")
+    tracker_opts: dict[str, Any] = Field(default_factory=dict, description="extra progress-tracker arguments")
+    performance_ema_alpha: float = Field(0.1, gt=0, le=1, description="smoothing of the samples/s estimate")
+    shutdown_timeout: float = Field(5.0, gt=0, description="seconds to wait for averagers to stop")
+    verbose: bool = Field(False, description="log the swarm's internal events")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,128}", value):
+            raise ValueError(f"run_id {value!r} must be 1-128 letters, digits, '_', '.', '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OptimizerConfig:
+        if self.delay_grad_averaging and self.delay_optimizer_step is False:
+            raise ValueError("delay_grad_averaging=True needs delay_optimizer_step=True (or unset)")
+        if self.use_local_updates and (self.reuse_grad_buffers or self.delay_grad_averaging):
+            raise ValueError("use_local_updates=True is incompatible with reuse_grad_buffers/delay_grad_averaging")
+        return self
+
+
+class HivemindConfig(_Section):
+    """The whole `hivemind_config`: `dht` (how to join) and `opt` (how to train together)."""
+
+    dht: DHTConfig = Field(default_factory=DHTConfig, description="hivemind.DHT keyword arguments")
+    opt: OptimizerConfig = Field(description="hivemind.Optimizer keyword arguments (run_id, target_batch_size, ...)")
+
+    @classmethod
+    def load(cls, value: HivemindConfig | dict | str | Path) -> HivemindConfig:
+        """Parse a dict, a JSON string, or a .json/.yaml/.yml file; raise ValueError naming the offending key."""
+        if isinstance(value, HivemindConfig):
+            return value
+        data = _read(value) if isinstance(value, (str, Path)) else value
+        if not isinstance(data, dict):
+            raise ValueError(f"hivemind_config must be a mapping with 'dht' and 'opt', got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(_explain(e)) from None
+
+
+def _read(value: str | Path) -> Any:
+    text = str(value).strip()
+    if text.startswith("{"):
+        return json.loads(text)
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"hivemind_config: {text!r} is neither a dict, a JSON string, nor an existing file")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(path.read_text())
+    return json.loads(path.read_text())
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        msg = item["msg"].removeprefix("Value error, ")
+        lines.append(f"hivemind_config.{where}: {msg}" if where != "(top level)" else f"hivemind_config: {msg}")
+    return "invalid hivemind_config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,208 @@
+"""Fixes for hivemind 1.1.12, applied once when a trahiv module that runs the engine is imported.
+
+Each fix is small, idempotent, and has a test in tests/test_engine.py:
+
+1. SIGINT: `DecentralizedAverager.run_in_background` sets SIGINT to SIG_IGN in the *calling* process (so Ctrl+C no
+   longer stops training) and fails outside the main thread. We ignore SIGINT only around the fork, so the children
+   still ignore it (their parent shuts them down) while the training process keeps its handler.
+2. Orphans: a peer killed by SIGKILL leaves its DHT process (with p2pd) and averager processes running. Every engine
+   process now watches its parent and, when the parent is gone, kills its own children and exits.
+3. numpy 2: decoding 8-bit tensors (`Uniform8Bit`, `Quantile8Bit`, `Blockwise`) calls `int()` on a 1-element array,
+   which numpy 2 rejects, so every 8-bit round silently failed. The decoders are replaced by ones that also check the
+   buffer's size against its header before reading (the buffer comes from another peer).
+(The `client_mode` bug is fixed in `trahiv.swarm.SwarmOptimizer`, which passes the DHT's mode explicitly.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+
+HIVEMIND_VERSION = "1.1.12"
+PARENT_POLL_SECONDS = 0.25
+_applied = False
+
+
+def apply() -> None:
+    """Apply every fix once; refuse an engine version the fixes were not written for."""
+    global _applied
+    if _applied:
+        return
+    import hivemind
+
+    if hivemind.__version__ != HIVEMIND_VERSION:
+        raise RuntimeError(f"trahiv needs hivemind=={HIVEMIND_VERSION}, found {hivemind.__version__}")
+    _fix_sigint()
+    _fix_orphans()
+    _fix_quantization()
+    _applied = True
+
+
+# 1. SIGINT ---------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes forked inside this block ignore SIGINT; the caller's own handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread; children then inherit the current one
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _fix_sigint() -> None:
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        with children_ignore_sigint():
+            self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    DecentralizedAverager.run_in_background = run_in_background
+
+
+@contextlib.contextmanager
+def interrupt_on_signals():
+    """Ctrl+C and SIGTERM raise KeyboardInterrupt in the main thread, so `finally` blocks leave the swarm cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# 2. Orphans --------------------------------------------------------------------------------------------------------
+
+
+def kill_descendants(pid: int | None = None, sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` to every descendant of `pid` (default: this process); return their pids."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.send_signal(sig)
+    return [child.pid for child in children]
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    kill_descendants()  # e.g. the DHT's p2pd daemon
+    os._exit(1)
+
+
+def start_parent_watchdog() -> None:
+    """In an engine child process: exit (taking its own children along) as soon as the parent process is gone."""
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="trahiv-parent-watchdog", daemon=True).start()
+
+
+def _guard_run(cls: type) -> None:
+    original = cls.run
+    if getattr(original, "_trahiv_guarded", False):
+        return
+
+    def run(self) -> None:
+        start_parent_watchdog()
+        return original(self)
+
+    run._trahiv_guarded = True  # type: ignore[attr-defined]
+    cls.run = run
+
+
+def _fix_orphans() -> None:
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.dht import DHT
+
+    _guard_run(DHT)
+    _guard_run(DecentralizedAverager)
+
+
+# 3. numpy-2 8-bit decoding -----------------------------------------------------------------------------------------
+
+
+def _header(buffer: bytes, count: int) -> list[int]:
+    if len(buffer) < 8 * count:
+        raise ValueError(f"compressed tensor too short for its header: {len(buffer)} bytes")
+    values = np.frombuffer(buffer, count=count, dtype=np.int64)
+    if (values < 0).any():
+        raise ValueError(f"compressed tensor header has negative sizes: {values.tolist()}")
+    return [int(v) for v in values]
+
+
+def _expect(numel: int, size: tuple[int, ...], what: str) -> None:
+    expected = int(np.prod(size, dtype=np.int64)) if size else 1
+    if numel != expected:
+        raise ValueError(f"{what}: payload holds {numel} values, header says shape {size}")
+
+
+def _extract_quantized(self, serialized_tensor) -> torch.Tensor:
+    buffer, size = serialized_tensor.buffer, tuple(serialized_tensor.size)
+    (codebook_size,) = _header(buffer, 1)
+    codebook_bytes = codebook_size * np.dtype(self.codebook_dtype).itemsize
+    if 8 + codebook_bytes > len(buffer):
+        raise ValueError(f"codebook of {codebook_size} entries does not fit in {len(buffer)} bytes")
+    codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=8 + codebook_bytes, dtype=self.indices_dtype)
+    _expect(quantized.size, size, type(self).__name__)
+    indices = torch.as_tensor(quantized, dtype=torch.int64).reshape(size)
+    if indices.numel() and int(indices.max()) >= codebook_size:
+        raise ValueError(f"quantized index {int(indices.max())} outside a codebook of {codebook_size}")
+    codebook_t = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook_t[indices].requires_grad_(serialized_tensor.requires_grad)
+
+
+def _extract_blockwise(self, serialized_tensor) -> torch.Tensor:
+    from bitsandbytes.functional import dequantize_blockwise
+    from hivemind.compression import quantization
+
+    buffer, size = serialized_tensor.buffer, tuple(serialized_tensor.size)
+    absmax_size, codebook_size = _header(buffer, 2)
+    itemsize = np.dtype(self.codebook_dtype).itemsize
+    data_offset = 16 + (absmax_size + codebook_size) * itemsize
+    if data_offset > len(buffer):
+        raise ValueError(f"blockwise header ({absmax_size}, {codebook_size}) does not fit in {len(buffer)} bytes")
+    absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=self.codebook_dtype)
+    codebook = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=data_offset, dtype=self.indices_dtype)
+    _expect(quantized.size, size, "BlockwiseQuantization")
+    blocksize = quantization._BLOCKWISE_QUANTIZATION_BLOCKSIZE
+    if absmax_size != -(-quantized.size // blocksize):
+        raise ValueError(f"blockwise payload of {quantized.size} values needs {-(-quantized.size // blocksize)} scales")
+    result = dequantize_blockwise(
+        torch.as_tensor(quantized).reshape(size),
+        absmax=torch.as_tensor(absmax),
+        code=torch.as_tensor(codebook),
+        blocksize=blocksize,
+        nested=False,
+    )
+    return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+
+def _fix_quantization() -> None:
+    from hivemind.compression import quantization
+
+    quantization.Quantization.extract = _extract_quantized
+    quantization.BlockwiseQuantization.extract = _extract_blockwise

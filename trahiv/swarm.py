@@ -1,0 +1,293 @@
+"""Where a peer joins: start the DHT, print the join addresses, check the model against the swarm's, build the
+collaborative optimizer, report swarm metrics, and leave cleanly."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from trahiv import engine
+from trahiv.compression import make_compression
+from trahiv.config import DHTConfig, HivemindConfig
+
+engine.apply()
+logger = logging.getLogger("trahiv.swarm")
+
+__all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "start_dht"]
+
+MODEL_RECORD_TTL = 600.0  # seconds a peer's model fingerprint stays in the DHT without refresh
+
+
+class SwarmJoinError(RuntimeError):
+    """This peer could not start or reach the swarm."""
+
+
+def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
+    """Start a DHT peer; raise SwarmJoinError with a clear reason if it cannot start or reach its initial peers."""
+    kwargs = {**config.kwargs(), **extra}
+    try:
+        return hivemind.DHT(start=True, **kwargs)
+    except Exception as e:
+        if config.initial_peers:
+            raise SwarmJoinError(
+                f"could not join the swarm through initial_peers={config.initial_peers}: {e}. Check that a peer is "
+                "running there, that the address and /p2p/ ID were copied whole, and that the port is reachable."
+            ) from e
+        raise SwarmJoinError(f"could not start the DHT (host_maddrs={config.host_maddrs}): {e}") from e
+
+
+def join_addresses(dht: hivemind.DHT) -> list[str]:
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def model_fingerprint(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Names, shapes and dtypes of the trainable tensors: peers must agree on these to average."""
+    digest, count, numel = hashlib.sha256(), 0, 0
+    for name, param in named_parameters:
+        if param.requires_grad:
+            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+            count, numel = count + 1, numel + param.numel()
+    return {"digest": digest.hexdigest()[:32], "tensors": count, "parameters": numel}
+
+
+def _is_fingerprint(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"digest", "tensors", "parameters"}
+        and isinstance(value["digest"], str)
+        and len(value["digest"]) == 32
+        and all(isinstance(value[k], int) and value[k] >= 0 for k in ("tensors", "parameters"))
+    )
+
+
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's tracker, stricter and more talkative.
+
+    - The collaborative step advances only once the swarm *reported* `target_batch_size` samples (or another peer
+      already moved on); hivemind 1.1.12 also advances when its throughput-based ETA runs out.
+    - It keeps the set of active peers and the swarm's total samples/s, and logs peers joining and leaving.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.active_peers: dict[str, LocalTrainingProgress] = {}
+        self.swarm_samples_per_second = 0.0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return (
+            self.global_epoch > self.local_progress.epoch
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+        )
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        return get_dht_time() if self.ready_to_update_epoch else self.global_progress.eta_next_epoch
+
+    def _parse_swarm_progress_data(self, metadata: Any):
+        progress = super()._parse_swarm_progress_data(metadata)
+        peers: dict[str, LocalTrainingProgress] = {}
+        for entry in metadata.values() if isinstance(metadata, dict) else ():
+            try:  # records passed the DHT's schema validator; a bad one must still never stop this thread
+                record = LocalTrainingProgress.parse_obj(entry.value)
+                peers[PeerID(record.peer_id).to_base58()] = record
+            except Exception as e:
+                logger.debug(f"Ignoring a malformed progress record: {e!r}")
+        own = self.dht.peer_id.to_base58()
+        for peer in peers.keys() - self.active_peers.keys():
+            if peer != own:
+                logger.info(f"Peer joined the swarm: {peer} ({len(peers)} active)")
+        for peer in self.active_peers.keys() - peers.keys():
+            if peer != own:
+                logger.info(f"Peer left the swarm: {peer} ({len(peers)} active)")
+        self.active_peers = peers
+        others = sum(record.samples_per_second for peer, record in peers.items() if peer != own)
+        self.swarm_samples_per_second = others + self.performance_ema.samples_per_second
+        return progress
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer with trahiv's fixes: the DHT's client mode is always honoured (1.1.12 drops it), each step
+    can report its true number of samples, and the samples this peer contributed are counted."""
+
+    def __init__(self, *, dht: hivemind.DHT, **kwargs: Any):
+        kwargs["client_mode"] = dht.client_mode  # 1.1.12 reads `client_mode` inverted: pass the DHT's explicitly
+        self.pending_batch_size: int | None = None
+        self.samples_contributed = 0
+        super().__init__(dht=dht, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        return SwarmProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        batch_size = batch_size if batch_size is not None else self.pending_batch_size
+        self.pending_batch_size = None
+        return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Any) -> bool:
+        accumulated = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        if accumulated:
+            self.samples_contributed += batch_size
+        return accumulated
+
+
+class Swarm:
+    """One peer's membership in a swarm: its DHT, its collaborative optimizer, its metrics."""
+
+    def __init__(self, config: HivemindConfig, *, announce: Callable[[str], None] = print):
+        self.config = config
+        self.dht = start_dht(config.dht)
+        self.optimizer: SwarmOptimizer | None = None
+        self.started_at = time.monotonic()
+        self._model: dict[str, Any] | None = None
+        self._model_published_at = -float("inf")
+        announce(f"To join the training, use initial_peers = {join_addresses(self.dht)}")
+
+    @property
+    def run_id(self) -> str:
+        return self.config.opt.run_id
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def peer_seed(self, base_seed: int = 0) -> int:
+        """A seed that differs between peers (from the peer's identity) and is stable for one peer."""
+        digest = hashlib.sha256(self.dht.peer_id.to_bytes() + str(base_seed).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+    # --- the model every peer must share ----------------------------------------------------------------------
+
+    def check_model(self, fingerprint: dict[str, Any]) -> None:
+        """Refuse to train if peers of this run already train a model with other trainable tensors."""
+        found = self.dht.get(f"{self.run_id}_model", latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for peer, entry in entries.items():
+            theirs = getattr(entry, "value", None)
+            if peer == self.peer_id or not _is_fingerprint(theirs):
+                continue
+            if theirs["digest"] != fingerprint["digest"]:
+                raise ValueError(
+                    f"this peer's model does not match the one swarm {self.run_id!r} trains: here "
+                    f"{fingerprint['tensors']} trainable tensors / {fingerprint['parameters']:,} parameters "
+                    f"(digest {fingerprint['digest'][:12]}), peer {peer} has {theirs['tensors']} tensors / "
+                    f"{theirs['parameters']:,} parameters (digest {theirs['digest'][:12]}). Use the same model "
+                    "config, the same PEFT settings and the same trainable parameters, or another run_id."
+                )
+        self._model = fingerprint
+        self.publish_model(force=True)
+
+    def publish_model(self, force: bool = False) -> None:
+        if self._model is None or (not force and time.monotonic() - self._model_published_at < MODEL_RECORD_TTL / 4):
+            return
+        self.dht.store(
+            f"{self.run_id}_model",
+            subkey=self.peer_id,
+            value=self._model,
+            expiration_time=get_dht_time() + MODEL_RECORD_TTL,
+            return_future=not force,
+        )
+        self._model_published_at = time.monotonic()
+
+    # --- the collaborative optimizer --------------------------------------------------------------------------
+
+    def make_optimizer(
+        self,
+        param_groups: list[dict[str, Any]],
+        optimizer_factory: Callable,
+        scheduler_factory: Callable | None,
+        batch_size_per_step: int,
+    ) -> SwarmOptimizer:
+        opt = self.config.opt
+        kwargs = opt.model_dump(
+            exclude={"grad_compression", "state_averaging_compression", "load_state_compression", "batch_size_per_step"}
+        )
+        # matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)
+        kwargs["averager_opts"] = {"request_timeout": min(3.0, opt.matchmaking_time / 2), **opt.averager_opts}
+        with engine.children_ignore_sigint():
+            self.optimizer = SwarmOptimizer(
+                dht=self.dht,
+                params=param_groups,
+                optimizer=optimizer_factory,
+                scheduler=scheduler_factory,
+                batch_size_per_step=opt.batch_size_per_step or batch_size_per_step,
+                grad_compression=make_compression(opt.grad_compression),
+                state_averaging_compression=make_compression(opt.state_averaging_compression),
+                load_state_compression=make_compression(opt.load_state_compression),
+                **kwargs,
+            )
+        return self.optimizer
+
+    def catch_up(self) -> bool:
+        """Download the swarm's state if other peers are training; return True if state was loaded."""
+        assert self.optimizer is not None
+        tracker = self.optimizer.tracker
+        others = [peer for peer in tracker.active_peers if peer != self.peer_id]
+        if not others and tracker.global_epoch <= self.optimizer.local_epoch:
+            return False
+        logger.info(
+            f"Swarm {self.run_id!r} is at step {tracker.global_epoch} with {len(others)} other peer(s); "
+            "downloading its state before training"
+        )
+        self.optimizer.load_state_from_peers()
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        if self.optimizer is None:
+            return {}
+        tracker = self.optimizer.tracker
+        return {
+            "collaborative_step": self.optimizer.local_epoch,
+            "swarm_peers": max(tracker.global_progress.num_peers, 1),
+            "swarm_samples_per_second": round(tracker.swarm_samples_per_second, 3),
+            "samples_contributed": self.optimizer.samples_contributed,
+        }
+
+    # --- leaving --------------------------------------------------------------------------------------------
+
+    def engine_processes(self) -> list[Any]:
+        """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
+        procs = [self.dht]
+        if self.optimizer is not None:
+            procs += [self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None)]
+        return [p for p in procs if p is not None and p.pid is not None]
+
+    def shutdown(self, timeout: float = 8.0) -> None:
+        """Leave the swarm: say goodbye, stop the averagers, the DHT and p2pd; never wait more than `timeout`."""
+        processes = self.engine_processes()
+
+        def close() -> None:
+            try:
+                if self.optimizer is not None and self.optimizer.is_alive():
+                    self.optimizer.shutdown()
+                if self.dht.is_alive():
+                    self.dht.shutdown()
+            except Exception as e:  # leaving must not raise: the processes are killed below anyway
+                logger.warning(f"Error while leaving the swarm: {e!r}")
+
+        closer = threading.Thread(target=close, name="trahiv-shutdown", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        for process in processes:  # whatever did not stop in time is killed, with its children (p2pd)
+            if process.is_alive():
+                engine.kill_descendants(process.pid)
+                process.kill()
+                process.join(1.0)

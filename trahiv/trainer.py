@@ -1,0 +1,310 @@
+"""Drop-in `Trainer` and `TrainingArguments`: one `hivemind_config` turns a Trainer script into a swarm peer.
+
+Without `hivemind_config` both behave exactly like transformers'. With it:
+- the optimizer the Trainer would build (``optim``, learning rate, weight-decay groups) runs inside hivemind.Optimizer,
+  and the LR schedule advances once per *collaborative* step, inside hivemind;
+- ``state.global_step`` is the collaborative step: ``max_steps``, ``logging_steps``, ``save_steps``, checkpoint names
+  and resume all count collaborative steps;
+- each peer shuffles its data with a seed derived from its identity;
+- Ctrl+C / SIGTERM leave the swarm cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_callback import DefaultFlowCallback, IntervalStrategy, SaveStrategy
+
+from trahiv.config import HivemindConfig
+
+logger = logging.getLogger("trahiv.trainer")
+
+__all__ = ["CollaborativeFlowCallback", "Trainer", "TrainingArguments"]
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers.TrainingArguments plus `hivemind_config` (a dict, a JSON string, or a JSON/YAML file path)."""
+
+    hivemind_config: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": 'Join a swarm: {"dht": {hivemind.DHT kwargs}, "opt": {"run_id": ..., "target_batch_size": ..., '
+            "other hivemind.Optimizer kwargs}}, as a dict, a JSON string or the path of a JSON/YAML file."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._hivemind = None if self.hivemind_config is None else HivemindConfig.load(self.hivemind_config)
+        if self._hivemind is not None:
+            # Local data order is per-peer random and unrelated to the collaborative step: never skip batches.
+            self.ignore_data_skip = True
+
+    @property
+    def hivemind(self) -> HivemindConfig | None:
+        """The parsed, validated `hivemind_config` (None when training alone)."""
+        return self._hivemind
+
+
+class SwarmScheduler:
+    """What the Trainer sees as its LR scheduler: the real schedule lives inside hivemind and advances once per
+    collaborative step, so `step()` here does nothing; state and current LR come from hivemind's scheduler."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.opt.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = self.optimizer.state_averager.scheduler
+        return {} if inner is None else inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner = self.optimizer.state_averager.scheduler
+        if inner is not None and state_dict:
+            inner.load_state_dict(state_dict)
+            self.optimizer.state_averager._update_scheduler()  # catch up with the restored collaborative step
+
+
+class CollaborativeFlowCallback(DefaultFlowCallback):
+    """DefaultFlowCallback over collaborative steps: logs, saves, evaluates and stops by the swarm's step."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.last_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        swarm = trainer.swarm
+        opt = swarm.optimizer
+        if state.global_step > opt.local_epoch:  # resumed from a checkpoint saved by this trainer
+            opt.state_averager.local_epoch = state.global_step
+            opt.state_averager._update_scheduler()
+        swarm.catch_up()
+        state.global_step = self.last_step = opt.local_epoch
+        state.max_steps = trainer.collaborative_max_steps
+        state.compute_steps(args, state.max_steps)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer, step = self.trainer, self.trainer.swarm.optimizer.local_epoch
+        trainer.local_steps_since_log += 1
+        trainer.local_steps_total += 1
+        last, self.last_step = self.last_step, step
+        state.global_step = step
+        trainer.swarm.publish_model()
+
+        def crossed(every: int) -> bool:
+            return every > 0 and step // every > last // every
+
+        if step > last:
+            if (last == 0 and args.logging_first_step) or (
+                args.logging_strategy == IntervalStrategy.STEPS and crossed(state.logging_steps)
+            ):
+                control.should_log = True
+            if args.eval_strategy == IntervalStrategy.STEPS and crossed(state.eval_steps) and args.eval_delay <= step:
+                control.should_evaluate = True
+            if args.save_strategy == SaveStrategy.STEPS and crossed(state.save_steps):
+                control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            if args.save_strategy == SaveStrategy.STEPS and step > last:
+                control.should_save = True
+        return control
+
+
+class Trainer(transformers.Trainer):
+    """transformers.Trainer that trains with a swarm when `args.hivemind_config` is set."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.swarm = None
+        self.collaborative_max_steps = 0
+        self.local_steps_since_log = self.local_steps_total = 0
+        config: HivemindConfig | None = getattr(self.args, "hivemind", None)
+        if config is None:
+            return
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            raise ValueError(
+                "hivemind_config cannot be combined with Trainer(optimizers=(optimizer, scheduler)): the swarm builds "
+                "its optimizer from factories. Choose it with TrainingArguments(optim=...) or "
+                "Trainer(optimizer_cls_and_kwargs=(cls, kwargs)), and the schedule with lr_scheduler_type."
+            )
+        from trahiv.swarm import Swarm, model_fingerprint  # starts the engine only for swarm peers
+
+        self.swarm = Swarm(config)
+        try:
+            self.swarm.check_model(model_fingerprint(self.model.named_parameters()))
+        except BaseException:
+            self.swarm.shutdown()
+            raise
+        handler = self.callback_handler
+        handler.callbacks = [
+            CollaborativeFlowCallback(self) if isinstance(cb, DefaultFlowCallback) else cb for cb in handler.callbacks
+        ]
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any):
+        if self.swarm is None:
+            return super().train(*args, **kwargs)
+        from trahiv.engine import interrupt_on_signals
+
+        with interrupt_on_signals():
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                self.swarm.shutdown()
+
+    def samples_per_local_step(self) -> int:
+        world = max(self.args.world_size, 1)
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
+
+    def set_initial_training_values(self, args, dataloader, *rest, **kwargs):
+        if self.swarm is None:
+            return super().set_initial_training_values(args, dataloader, *rest, **kwargs)
+        self.collaborative_max_steps = self._collaborative_max_steps(dataloader)
+        target = self.swarm.config.opt.target_batch_size
+        # The local loop must be able to run until the swarm reaches max_steps: at worst this peer trains alone.
+        local_budget = 2 * self.collaborative_max_steps * math.ceil(target / self.samples_per_local_step()) + 10
+        user_max_steps, args.max_steps = args.max_steps, local_budget
+        try:
+            return super().set_initial_training_values(args, dataloader, *rest, **kwargs)
+        finally:
+            args.max_steps = user_max_steps
+
+    def _collaborative_max_steps(self, dataloader) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        dataset = getattr(dataloader, "dataset", None)
+        if dataset is None or not hasattr(dataset, "__len__"):
+            raise ValueError("with hivemind_config and a dataset without length, set max_steps (collaborative steps)")
+        # an epoch is the swarm processing the whole dataset once
+        return max(1, math.ceil(self.args.num_train_epochs * len(dataset) / self.swarm.config.opt.target_batch_size))
+
+    # --- optimizer and schedule ---------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        if self.swarm is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        groups = self._parameter_groups(opt_model)
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        special = {"params", "model", "optimizer_dict"} & set(optimizer_kwargs)
+        if special:
+            raise ValueError(f"optim={self.args.optim!r} builds its own parameter list ({special}); not supported")
+        self._check_dtypes(groups)
+        max_steps, args = self.collaborative_max_steps, self.args
+
+        def make_optimizer(param_groups):
+            return optimizer_cls(param_groups, **optimizer_kwargs)
+
+        def make_scheduler(optimizer):
+            return transformers.get_scheduler(
+                args.lr_scheduler_type,
+                optimizer=optimizer,
+                num_warmup_steps=args.get_warmup_steps(max_steps),
+                num_training_steps=max_steps,
+                scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+            )
+
+        self.optimizer = self.swarm.make_optimizer(
+            groups, make_optimizer, make_scheduler, self.samples_per_local_step()
+        )
+        if self.args.fp16 and self.accelerator.scaler is not None:
+            import hivemind
+
+            self.accelerator.scaler = hivemind.GradScaler()  # the swarm's steps need hivemind's scaler
+        return self.optimizer
+
+    def _parameter_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
+        """The Trainer's weight-decay groups, over trainable parameters only (PEFT: the adapters)."""
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if not groups:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train together")
+        return groups
+
+    def _check_dtypes(self, groups: list[dict[str, Any]]) -> None:
+        dtypes = {p.dtype for g in groups for p in g["params"]}
+        opt = self.swarm.config.opt
+        if torch.bfloat16 in dtypes and opt.offload_optimizer:
+            raise ValueError(
+                "bf16 trainable parameters cannot be offloaded by hivemind 1.1.12: set "
+                'hivemind_config["opt"]["offload_optimizer"] = False, or keep trainable weights in float32 '
+                "(TrainingArguments(bf16=True) with float32 weights works: autocast computes in bf16)"
+            )
+        uses_fp16 = "fp16" in (opt.grad_compression, opt.state_averaging_compression, opt.load_state_compression)
+        if torch.bfloat16 in dtypes and uses_fp16:
+            raise ValueError("fp16 compression rejects bf16 tensors: use 'scaled_fp16', '*8bit' or 'none'")
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.swarm is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = SwarmScheduler(self.swarm.optimizer)
+        return self.lr_scheduler
+
+    # --- data -------------------------------------------------------------------------------------------------
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if self.swarm is None or dataset is None or not hasattr(dataset, "__len__") or strategy != "random":
+            return super()._get_train_sampler(train_dataset)
+        generator = torch.Generator().manual_seed(self.swarm.peer_seed(self.args.seed))
+        return torch.utils.data.RandomSampler(dataset, generator=generator)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.swarm is not None and self.swarm.optimizer is not None:
+            samples = sum(_batch_len(batch) for batch in batch_samples) * max(self.args.world_size, 1)
+            self.swarm.optimizer.pending_batch_size = samples or None
+        return batch_samples, num_items
+
+    # --- logging ----------------------------------------------------------------------------------------------
+
+    def _maybe_log_save_evaluate(self, tr_loss, *args: Any, **kwargs: Any):
+        if self.swarm is not None and self.control.should_log and self.local_steps_since_log > 0:
+            # the Trainer divides the summed loss by the steps since the last log: count local steps, not swarm steps
+            self._globalstep_last_logged = self.state.global_step - self.local_steps_since_log
+            self.local_steps_since_log = 0
+        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any):
+        if self.swarm is not None:  # train_loss averages local steps (the loss is summed per local step)
+            self._initial_global_step = self.state.global_step - self.local_steps_total
+        return super()._finalize_training(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.swarm is not None:
+            logs = {**logs, **self.swarm.metrics()}
+        super().log(logs, *args, **kwargs)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, dict) or hasattr(batch, "values"):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return int(value.shape[0])
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return int(batch[0].shape[0])
+    return 0
