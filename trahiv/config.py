@@ -110,8 +110,10 @@ class OptimizerConfig(_Section):
     offload_optimizer: bool = Field(True, description="keep optimizer state and master params on the CPU")
     delay_optimizer_step: bool | None = Field(None, description="run the optimizer step in the background")
     delay_grad_averaging: bool = Field(False, description="average gradients in the background (needs delay step)")
-    delay_state_averaging: bool = Field(True, description="average parameters in the background")
-    average_state_every: int = Field(1, ge=1, description="average parameters every this many steps")
+    delay_state_averaging: bool = Field(
+        False, description="average parameters in the background (off: hivemind 1.1.12 corrupts parameters with it)"
+    )
+    average_state_every: int = Field(5, ge=1, description="average parameters every this many collaborative steps")
     use_local_updates: bool = Field(False, description="local optimizer steps + periodic parameter averaging")
     grad_compression: CompressionName = Field("none", description=f"compression of gradients: {COMPRESSIONS}")
     state_averaging_compression: CompressionName = Field("none", description="compression of averaged parameters")
@@ -122,6 +124,11 @@ class OptimizerConfig(_Section):
     performance_ema_alpha: float = Field(0.1, gt=0, le=1, description="smoothing of the samples/s estimate")
     shutdown_timeout: float = Field(5.0, gt=0, description="seconds to wait for averagers to stop")
     verbose: bool = Field(False, description="log the swarm's internal events")
+    # trahiv's own (not hivemind.Optimizer keywords)
+    min_peers: int = Field(1, ge=1, description="at start, wait until this many peers (this one included) are here")
+    min_peers_timeout: float = Field(120.0, gt=0, description="give up waiting for min_peers after this many seconds")
+
+    TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset({"min_peers", "min_peers_timeout"})
 
     @field_validator("run_id")
     @classmethod
@@ -134,6 +141,11 @@ class OptimizerConfig(_Section):
     def _consistent(self) -> OptimizerConfig:
         if self.delay_grad_averaging and self.delay_optimizer_step is False:
             raise ValueError("delay_grad_averaging=True needs delay_optimizer_step=True (or unset)")
+        if self.delay_state_averaging and not self.use_local_updates:
+            raise ValueError(
+                "delay_state_averaging=True is refused: in hivemind 1.1.12 the delayed parameter average lands on top "
+                "of newer updates and moves the parameters by the wrong amount (see tests/test_swarm.py); leave it off"
+            )
         if self.use_local_updates and (self.reuse_grad_buffers or self.delay_grad_averaging):
             raise ValueError("use_local_updates=True is incompatible with reuse_grad_buffers/delay_grad_averaging")
         return self

@@ -4,6 +4,7 @@ collaborative optimizer, report swarm metrics, and leave cleanly."""
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -94,6 +96,12 @@ class SwarmProgressTracker(ProgressTracker):
     def estimated_next_update_time(self) -> float:
         return get_dht_time() if self.ready_to_update_epoch else self.global_progress.eta_next_epoch
 
+    def refresh_now(self) -> None:
+        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
+        with self.lock_global_progress:
+            found = self.dht.get(self.training_progress_key, latest=True)
+            self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
+
     def _parse_swarm_progress_data(self, metadata: Any):
         progress = super()._parse_swarm_progress_data(metadata)
         peers: dict[str, LocalTrainingProgress] = {}
@@ -137,6 +145,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
+        super()._update_global_epoch(grad_scaler)
+
     def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
         batch_size = batch_size if batch_size is not None else self.pending_batch_size
         self.pending_batch_size = None
@@ -178,13 +190,8 @@ class Swarm:
 
     def check_model(self, fingerprint: dict[str, Any]) -> None:
         """Refuse to train if peers of this run already train a model with other trainable tensors."""
-        found = self.dht.get(f"{self.run_id}_model", latest=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        for peer, entry in entries.items():
-            theirs = getattr(entry, "value", None)
-            if peer == self.peer_id or not _is_fingerprint(theirs):
-                continue
-            if theirs["digest"] != fingerprint["digest"]:
+        for peer, theirs in self._model_records().items():
+            if peer != self.peer_id and theirs["digest"] != fingerprint["digest"]:
                 raise ValueError(
                     f"this peer's model does not match the one swarm {self.run_id!r} trains: here "
                     f"{fingerprint['tensors']} trainable tensors / {fingerprint['parameters']:,} parameters "
@@ -194,6 +201,28 @@ class Swarm:
                 )
         self._model = fingerprint
         self.publish_model(force=True)
+
+    def _model_records(self) -> dict[str, dict[str, Any]]:
+        """Well-formed model fingerprints announced for this run, by peer (malformed records are ignored)."""
+        found = self.dht.get(f"{self.run_id}_model", latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        values = {str(peer): getattr(entry, "value", None) for peer, entry in entries.items()}
+        return {peer: value for peer, value in values.items() if _is_fingerprint(value)}
+
+    def model_peers(self) -> set[str]:
+        """Peers (this one included) that announced a model for this run."""
+        return set(self._model_records())
+
+    def wait_for_peers(self) -> int:
+        """Block until `opt.min_peers` peers announced themselves (or `min_peers_timeout`); return how many did."""
+        wanted, deadline = self.config.opt.min_peers, time.monotonic() + self.config.opt.min_peers_timeout
+        peers = self.model_peers()
+        while len(peers) < wanted and time.monotonic() < deadline:
+            time.sleep(0.5)
+            peers = self.model_peers()
+        if len(peers) < wanted:
+            logger.warning(f"Only {len(peers)} of min_peers={wanted} peers arrived in time; training anyway")
+        return len(peers)
 
     def publish_model(self, force: bool = False) -> None:
         if self._model is None or (not force and time.monotonic() - self._model_published_at < MODEL_RECORD_TTL / 4):
@@ -217,11 +246,17 @@ class Swarm:
         batch_size_per_step: int,
     ) -> SwarmOptimizer:
         opt = self.config.opt
-        kwargs = opt.model_dump(
-            exclude={"grad_compression", "state_averaging_compression", "load_state_compression", "batch_size_per_step"}
-        )
+        compressions = {"grad_compression", "state_averaging_compression", "load_state_compression"}
+        kwargs = opt.model_dump(exclude=compressions | {"batch_size_per_step"} | opt.TRAHIV_ONLY)
         # matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)
-        kwargs["averager_opts"] = {"request_timeout": min(3.0, opt.matchmaking_time / 2), **opt.averager_opts}
+        request_timeout = min(3.0, opt.matchmaking_time / 2)
+        kwargs["averager_opts"] = {"request_timeout": request_timeout, **opt.averager_opts}
+        if not opt.use_local_updates:
+            kwargs["grad_averager_factory"] = partial(GradientAverager, request_timeout=request_timeout)
+        # peers must notice that the swarm moved on while the averaging group is still forming
+        refresh = min(10.0, opt.matchmaking_time / 2)
+        kwargs["tracker_opts"] = {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
+                                  "min_refresh_period": min(0.5, refresh), **opt.tracker_opts}  # fmt: skip
         with engine.children_ignore_sigint():
             self.optimizer = SwarmOptimizer(
                 dht=self.dht,
@@ -238,7 +273,8 @@ class Swarm:
 
     def catch_up(self) -> bool:
         """Download the swarm's state if other peers are training; return True if state was loaded."""
-        assert self.optimizer is not None
+        if self.optimizer is None:
+            raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         tracker = self.optimizer.tracker
         others = [peer for peer in tracker.active_peers if peer != self.peer_id]
         if not others and tracker.global_epoch <= self.optimizer.local_epoch:

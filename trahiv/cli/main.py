@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("dht", "demo")
+SUBCOMMANDS = ("dht", "demo", "memory")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,132 @@
+"""A trainer peer for the swarm tests: `python tests/peer_worker.py SPEC.json`.
+
+It trains with trahiv's Trainer as a user script would, and writes what the tests check into SPEC["out"]:
+- ready.json      once training begins: peer id, pids of its engine processes, the step it started from
+- records.jsonl   one line per local step (collaborative step before/after, samples, loss) and, at every
+                  collaborative step, the trainable parameters' checksum (or values, for the toy model)
+- done.json       at the end: collaborative step, samples contributed, train loss
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import TrainerCallback
+
+from trahiv import Trainer, TrainingArguments
+from trahiv.demo import BlockDataset
+
+
+class ToyModel(torch.nn.Module):
+    """loss = <w, c>: every local step's gradient is exactly c, so the averaged update is predictable."""
+
+    def __init__(self, grad: float, size: int = 4):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(size))
+        self.register_buffer("c", torch.full((size,), float(grad)))
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        return {"loss": (self.w * self.c).sum() + 0.0 * input_ids.float().sum()}
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, trainer: Trainer, spec: dict, out: Path):
+        self.trainer, self.spec, self.out = trainer, spec, out
+        self.records = open(out / "records.jsonl", "a", buffering=1)
+        self.epoch_before = self.pre_samples = 0
+        self.last_loss = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        swarm = self.trainer.swarm
+        ready = {
+            "peer_id": swarm.peer_id,
+            "pid": os.getpid(),
+            "engine_pids": [p.pid for p in swarm.engine_processes()],
+            "start_step": state.global_step,
+            "averaged_tensors": len(swarm.optimizer.state_averager.main_parameters),
+        }
+        (self.out / "ready.json").write_text(json.dumps(ready))
+        self._params(state.global_step, "begin")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        opt = self.trainer.swarm.optimizer
+        self.epoch_before, self.pre_samples = opt.local_epoch, opt.grad_averager.local_samples_accumulated
+        self.batch = opt.pending_batch_size
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.spec.get("sleep_per_step"):
+            time.sleep(self.spec["sleep_per_step"])
+        line = {"kind": "local", "epoch_before": self.epoch_before, "epoch_after": state.global_step,
+                "pre_samples": self.pre_samples, "batch": self.batch, "t": time.time()}  # fmt: skip
+        self.records.write(json.dumps(line) + "\n")
+        if state.global_step > self.epoch_before:
+            self._params(state.global_step, "step")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.records.write(json.dumps({"kind": "log", "step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+    def _params(self, step: int, kind: str) -> None:
+        named = [(n, p.detach().double()) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        line = {"kind": kind, "step": step, "checksum": sum(float(p.sum()) for _, p in named),
+                "abs": sum(float(p.abs().sum()) for _, p in named)}  # fmt: skip
+        if self.spec.get("toy_grad") is not None:
+            line["values"] = named[0][1].tolist()
+        self.records.write(json.dumps(line) + "\n")
+
+
+def build_model(spec: dict):
+    if spec.get("toy_grad") is not None:
+        return ToyModel(spec["toy_grad"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(Path(spec["workdir"]) / "model")
+    if spec.get("n_embd") and spec["n_embd"] != model.config.n_embd:  # a deliberately different model
+        config = model.config
+        config.n_embd = spec["n_embd"]
+        model = transformers.GPT2LMHeadModel(config)
+    if spec.get("lora"):
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+        model = peft.get_peft_model(model, lora)
+    return model
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    toy = spec.get("toy_grad") is not None
+    opt = {"run_id": spec["run_id"], "target_batch_size": spec["target"], "matchmaking_time": spec.get("mm", 2.0),
+           "averaging_timeout": 30.0, "verbose": True, **spec.get("opt", {})}  # fmt: skip
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, **spec.get("dht", {})}
+    args = TrainingArguments(
+        output_dir=str(out / "output"), per_device_train_batch_size=spec["batch_size"], max_steps=spec["max_steps"],
+        learning_rate=spec.get("lr", 1.0 if toy else 3e-3), optim="sgd" if toy else "adamw_torch",
+        lr_scheduler_type="constant" if toy else "linear", warmup_steps=0 if toy else 1,
+        max_grad_norm=0.0 if toy else 1.0, dataloader_drop_last=toy, weight_decay=0.0, logging_steps=1, report_to=[], disable_tqdm=True,
+        use_cpu=True, save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 1,
+        hivemind_config={"dht": dht, "opt": opt}, seed=spec.get("seed", 42),
+    )  # fmt: skip
+    dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
+    trainer = Trainer(model=build_model(spec), args=args, train_dataset=dataset)
+    trainer.add_callback(Recorder(trainer, spec, out))
+    result = trainer.train(resume_from_checkpoint=spec.get("resume"))
+    done = {
+        "global_step": trainer.state.global_step,
+        "samples_contributed": trainer.swarm.optimizer.samples_contributed,
+        "train_loss": result.training_loss,
+    }
+    if spec.get("lora"):
+        torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, out / "final.pt")
+    (out / "done.json").write_text(json.dumps(done))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,143 @@
+"""Launch and inspect real peer processes on 127.0.0.1 (shared by the swarm tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+TESTS = Path(__file__).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@dataclass
+class Bootstrap:
+    process: subprocess.Popen
+    initial_peers: list[str]
+
+    def stop(self) -> None:
+        stop(self.process)
+
+
+def start_bootstrap(tmp: Path) -> Bootstrap:
+    addresses = tmp / "bootstrap.json"
+    command = [sys.executable, "-m", "trahiv.cli.main", "dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
+    peers = wait_for(lambda: addresses.exists() and addresses.stat().st_size and json.loads(addresses.read_text()),
+                     60, "the bootstrap peer")  # fmt: skip
+    return Bootstrap(process, peers)
+
+
+@dataclass
+class Peer:
+    name: str
+    out: Path
+    process: subprocess.Popen
+    spec: dict = field(default_factory=dict)
+
+    def ready(self, timeout: float = 90) -> dict:
+        path = self.out / "ready.json"
+        return wait_for(lambda: self._check_alive() and path.exists() and json.loads(path.read_text()), timeout,
+                        f"peer {self.name} to start training")  # fmt: skip
+
+    def _check_alive(self) -> bool:
+        if self.process.poll() is not None and not (self.out / "done.json").exists():
+            raise AssertionError(f"peer {self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+        return True
+
+    def records(self, kind: str | None = None) -> list[dict]:
+        path = self.out / "records.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+    def step(self) -> int:
+        steps = [r["epoch_after"] for r in self.records("local")]
+        return max(steps, default=0)
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        wait_for(lambda: self._check_alive() and self.step() >= step, timeout, f"peer {self.name} to reach {step}")
+
+    def finish(self, timeout: float = 240) -> dict:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"peer {self.name} did not finish in {timeout} s:\n{self.log()[-4000:]}") from None
+        assert code == 0, f"peer {self.name} exited with {code}:\n{self.log()[-4000:]}"
+        return json.loads((self.out / "done.json").read_text())
+
+    def log(self) -> str:
+        return (self.out / "log.txt").read_text(errors="replace")
+
+    def params_at(self) -> dict[int, dict]:
+        return {r["step"]: r for r in self.records("step")}
+
+
+def start_peer(tmp: Path, name: str, **spec: Any) -> Peer:
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(out), **spec}
+    (out / "spec.json").write_text(json.dumps(spec))
+    log = open(out / "log.txt", "w")
+    command = [sys.executable, str(TESTS / "peer_worker.py"), str(out / "spec.json")]
+    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    return Peer(name, out, process, spec)
+
+
+def stop(process: subprocess.Popen, timeout: float = 15) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids among `pids` that still run (zombies count as gone)."""
+    result = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                result.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return result
+
+
+def process_tree(pid: int) -> list[int]:
+    try:
+        proc = psutil.Process(pid)
+        return [pid] + [child.pid for child in proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def samples_per_epoch(peers: list[Peer]) -> dict[int, int]:
+    """Samples each collaborative step received, summed over peers, from the peers' per-step records."""
+    totals: dict[int, int] = {}
+    for peer in peers:
+        for row in peer.records("local"):
+            totals[row["epoch_before"]] = totals.get(row["epoch_before"], 0) + row["batch"]
+    return totals
