@@ -70,7 +70,8 @@ class Recorder(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            self.records.write(json.dumps({"kind": "log", "step": state.global_step, "loss": logs["loss"]}) + "\n")
+            row = {"kind": "log", "step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate")}
+            self.records.write(json.dumps(row) + "\n")
 
     def _params(self, step: int, kind: str) -> None:
         named = [(n, p.detach().double()) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
@@ -129,4 +130,7 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    try:
+        sys.exit(main(sys.argv[1]))
+    except KeyboardInterrupt:
+        sys.exit(130)

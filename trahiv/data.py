@@ -62,6 +62,7 @@ _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _GLOB_CHARS = frozenset("*?[")
 _JSON_CHUNK_BYTES = 1 << 20  # bytes the JSON reader parses at a time per open shard
 _READ_BATCH = 64  # rows taken from datasets at a time
+_TOKENIZE_CHARS = 1 << 17  # characters tokenized per call at most (unless one text is longer)
 
 T = TypeVar("T")
 
@@ -250,10 +251,24 @@ def pack_blocks(token_lists: Iterable[Sequence[int]], block_size: int, eos_token
         del buffer[:full]
 
 
+def _batches(texts: Iterable[str], max_texts: int, max_chars: int) -> Iterator[list[str]]:
+    """Consecutive batches of at most `max_texts` texts, cut early once they hold `max_chars` characters."""
+    batch: list[str] = []
+    chars = 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) >= max_texts or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 def _token_lists(texts: Iterable[str], tokenizer: Any, batch_size: int) -> Iterator[list[int]]:
-    """Token ids of each text, without special tokens (tokenized `batch_size` texts per call)."""
-    texts = iter(texts)
-    while batch := list(itertools.islice(texts, batch_size)):
+    """Token ids of each text, without special tokens; batches are bounded in characters too, since a fast
+    tokenizer's transient memory is ~100 bytes per character."""
+    for batch in _batches(texts, batch_size, _TOKENIZE_CHARS):
         encoded = tokenizer(
             batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False
         )

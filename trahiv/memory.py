@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,9 @@ __all__ = [
     "MemoryOptions",
     "ModelShape",
     "activation_bytes",
-    "head_activation_bytes",
     "count_parameters",
     "estimate",
+    "head_activation_bytes",
     "resolve_model",
     "shape_from_config",
     "shape_from_preset",
@@ -78,7 +78,8 @@ class MemoryOptions:
     """How the model is trained.
 
     batch_size, seq_len: sequences per forward pass and tokens per sequence.
-    precision: "fp32", or mixed precision "fp16"/"bf16" (16-bit weights, gradients and activations, fp32 master weights).
+    precision: "fp32", or mixed precision "fp16"/"bf16" (16-bit weights, gradients and activations; fp32 master
+        weights).
     optimizer_bits: 32 for a usual Adam/LAMB, 8 for a bitsandbytes 8-bit optimizer.
     offload_optimizer: keep the optimizer states and the fp32 master weights in CPU memory (hivemind's
         `offload_optimizer=True`).
@@ -136,10 +137,10 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("n_params", "n_layer", "hidden", "n_head", "vocab", "intermediate"):
             _check_positive_int(name, getattr(self, name))
-        if self.layer_params is None:
-            object.__setattr__(self, "layer_params", max(0, self.n_params - self.vocab * self.hidden))
-        if isinstance(self.layer_params, bool) or not 0 <= self.layer_params <= self.n_params:
-            raise ValueError(f"layer_params must be between 0 and n_params={self.n_params}, got {self.layer_params}")
+        layers = max(0, self.n_params - self.vocab * self.hidden) if self.layer_params is None else self.layer_params
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 0 <= layers <= self.n_params:
+            raise ValueError(f"layer_params must be between 0 and n_params={self.n_params}, got {layers!r}")
+        object.__setattr__(self, "layer_params", layers)
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,11 @@ def _merge(a: MemoryBreakdown, b: MemoryBreakdown) -> MemoryBreakdown:
 def _stored_params(shape: ModelShape, options: MemoryOptions) -> int:
     """Unique model parameters. With ALBERT-style sharing, the n_layer blocks keep one block's worth of weights:
     n_params - layer_params + layer_params / n_layer (embeddings are not shared)."""
+    layers = shape.layer_params
+    assert layers is not None  # ModelShape.__post_init__ fills it in
     if not options.parameter_sharing:
         return shape.n_params
-    return shape.n_params - shape.layer_params + shape.layer_params // shape.n_layer
+    return shape.n_params - layers + layers // shape.n_layer
 
 
 def _lora_params(shape: ModelShape, options: MemoryOptions) -> int:
@@ -270,32 +273,41 @@ def head_activation_bytes(shape: ModelShape, options: MemoryOptions) -> int:
 # --- presets ------------------------------------------------------------------------------------------------------
 
 
+def _preset(name: str, layers: int, other: int, n_layer: int, hidden: int, n_head: int, **sizes: int) -> ModelShape:
+    """A preset from its parameters inside the repeated blocks (layers) and outside them (other)."""
+    return ModelShape(
+        name=name, n_params=layers + other, n_layer=n_layer, hidden=hidden, n_head=n_head, layer_params=layers, **sizes
+    )
+
+
 def _gpt(name: str, n_layer: int, hidden: int, n_head: int, *, positions: int, vocab: int = 50257) -> ModelShape:
     """GPT-2/GPT-3 (and BERT's encoder blocks): a block has 4h^2 + 4h attention, 8h^2 + 5h MLP and 4h layer-norm
     parameters; learned token and position embeddings, a final layer norm, an output layer tied to the embedding."""
     layers = n_layer * (12 * hidden**2 + 13 * hidden)
     other = (vocab + positions) * hidden + 2 * hidden
-    return ModelShape(name=name, n_params=layers + other, n_layer=n_layer, hidden=hidden, n_head=n_head, vocab=vocab,
-                      intermediate=4 * hidden, layer_params=layers)  # fmt: skip
+    return _preset(name, layers, other, n_layer, hidden, n_head, vocab=vocab, intermediate=4 * hidden)
+
+
+def _gpt3(size: str, n_layer: int, hidden: int, n_head: int) -> ModelShape:
+    """GPT-3 (Brown et al. 2020, Table 2.1): GPT-2 blocks, 2048 positions."""
+    return _gpt(f"gpt3-{size}", n_layer, hidden, n_head, positions=2048)
 
 
 def _bert(name: str, n_layer: int, hidden: int, n_head: int) -> ModelShape:
     """BERT (BertModel): GPT-2's blocks; word, position (512) and token-type (2) embeddings with a layer norm; a
     pooler (h^2 + h)."""
     shape = _gpt(name, n_layer, hidden, n_head, positions=512 + 2, vocab=30522)
-    return _replace(shape, n_params=shape.n_params + hidden**2 + hidden)
+    return replace(shape, n_params=shape.n_params + hidden**2 + hidden)
 
 
 def _t5(name: str, n_layer: int, hidden: int, n_head: int, head_dim: int, intermediate: int) -> ModelShape:
     """T5 (v1.0, no biases): encoder blocks have self-attention (4 h a d) and an MLP (2 h i); decoder blocks add
     cross-attention; RMS norms (h each); a shared embedding tied to the output layer; relative position biases.
     n_layer counts encoder and decoder blocks."""
-    attention = 4 * hidden * n_head * head_dim
-    encoder = n_layer * (attention + 2 * hidden * intermediate + 2 * hidden)
-    decoder = n_layer * (2 * attention + 2 * hidden * intermediate + 3 * hidden)
-    other = 32128 * hidden + 2 * hidden + 2 * 32 * n_head
-    return ModelShape(name=name, n_params=encoder + decoder + other, n_layer=2 * n_layer, hidden=hidden,
-                      n_head=n_head, vocab=32128, intermediate=intermediate, layer_params=encoder + decoder)  # fmt: skip
+    attention, mlp, vocab = 4 * hidden * n_head * head_dim, 2 * hidden * intermediate, 32128
+    layers = n_layer * (attention + mlp + 2 * hidden) + n_layer * (2 * attention + mlp + 3 * hidden)
+    other = vocab * hidden + 2 * hidden + 2 * 32 * n_head
+    return _preset(name, layers, other, 2 * n_layer, hidden, n_head, vocab=vocab, intermediate=intermediate)
 
 
 def _gptj() -> ModelShape:
@@ -304,30 +316,21 @@ def _gptj() -> ModelShape:
     hidden, intermediate, vocab, n_layer = 4096, 16384, 50400, 28
     layers = n_layer * (4 * hidden**2 + 2 * hidden * intermediate + intermediate + 3 * hidden)
     other = 2 * vocab * hidden + vocab + 2 * hidden
-    return ModelShape(name="gpt-j-6b", n_params=layers + other, n_layer=n_layer, hidden=hidden, n_head=16, vocab=vocab,
-                      intermediate=intermediate, layer_params=layers)  # fmt: skip
+    return _preset("gpt-j-6b", layers, other, n_layer, hidden, 16, vocab=vocab, intermediate=intermediate)
 
 
 def _dalle() -> ModelShape:
     """The collaborative DALL-E of "Training Transformers Together" (dalle-pytorch): 64 decoder blocks with 1024
-    hidden units and 16 heads of 64; GEGLU MLPs (h x 8h and 4h x h: 12h^2 + 9h) and attention (4h^2 + h); rotary
-    positions; 32,100 T5 text tokens + 256 padding tokens + 8,192 VQGAN image tokens with tied input and output
-    embeddings. About 1.1B parameters, sequences of 256 text + 32 x 32 image tokens. The real run shared weights
-    between groups of layers (about 8x fewer parameters); `parameter_sharing` models full ALBERT-style sharing."""
+    hidden units and 16 heads of 64; GEGLU MLPs (h x 8h and 4h x h: 12h^2 + 9h), attention (4h^2 + h) and two layer
+    norms (4h); rotary positions; 32,100 T5 text tokens + 256 padding tokens + 8,192 VQGAN image tokens with tied
+    input and output embeddings. About 1.1B parameters; sequences of 256 text + 32 x 32 image tokens. The real run
+    shared weights between groups of layers (about 8x fewer parameters); `parameter_sharing` shares all layers. The
+    activations assume dense attention without reversible layers; the run's sparse (row, column, convolutional)
+    attention masks and reversible layers needed much less."""
     hidden, n_layer, vocab = 1024, 64, 32100 + 256 + 8192
     layers = n_layer * (16 * hidden**2 + 14 * hidden)
     other = vocab * hidden + vocab + 2 * hidden
-    return ModelShape(name="dalle", n_params=layers + other, n_layer=n_layer, hidden=hidden, n_head=16, vocab=vocab,
-                      intermediate=4 * hidden, layer_params=layers)  # fmt: skip
-
-
-def _replace(shape: ModelShape, **changes: Any) -> ModelShape:
-    return ModelShape(**{**{f.name: getattr(shape, f.name) for f in fields(shape)}, **changes})
-
-
-def _gpt3(size: str, n_layer: int, hidden: int, n_head: int) -> ModelShape:
-    """GPT-3 (Brown et al. 2020, Table 2.1): GPT-2 blocks, 2048 positions."""
-    return _gpt(f"gpt3-{size}", n_layer, hidden, n_head, positions=2048)
+    return _preset("dalle", layers, other, n_layer, hidden, 16, vocab=vocab, intermediate=4 * hidden)
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -354,7 +357,7 @@ PRESETS: dict[str, ModelShape] = {
     )
 }
 _ALIASES = {"gpt2": "gpt2-small", "gpt2-s": "gpt2-small", "gpt2-m": "gpt2-medium", "gpt2-l": "gpt2-large",
-            "gptj": "gpt-j-6b", "gpt-j": "gpt-j-6b", "dall-e": "dalle"}  # fmt: skip
+            "gpt-j": "gpt-j-6b", "bert": "bert-base"}  # fmt: skip
 
 
 def _normalize(name: str) -> str:
@@ -398,16 +401,17 @@ def shape_from_config(path: str | os.PathLike[str]) -> ModelShape:
     config = _load_config(file)
     n_params, layer_params = count_parameters(_meta_model(config))
     text = config.get_text_config()
-    hidden = text.hidden_size
+    try:
+        sizes = {"hidden": text.hidden_size, "n_head": text.num_attention_heads, "vocab": text.vocab_size}
+    except AttributeError as e:
+        raise ValueError(f"{file} does not describe a transformer the calculator knows: {e}") from e
     return ModelShape(
         name=str(file),
         n_params=n_params,
         n_layer=_n_layer(text),
-        hidden=hidden,
-        n_head=text.num_attention_heads,
-        vocab=text.vocab_size,
-        intermediate=_intermediate(text, hidden),
         layer_params=layer_params,
+        intermediate=_intermediate(text, sizes["hidden"]),
+        **sizes,
     )
 
 
@@ -437,9 +441,9 @@ def _meta_model(config: Any) -> Any:
 def count_parameters(model: Any) -> tuple[int, int]:
     """(unique parameters, those inside repeated blocks). Tied weights are one tensor, counted once; a parameter is in
     a repeated block when its name has a ModuleList index (`transformer.h.3.attn.c_attn.weight`)."""
-    unique = {id(p): (name, p.numel()) for name, p in model.named_parameters(remove_duplicate=False)}
-    total = sum(numel for _, numel in unique.values())
-    layers = sum(numel for name, numel in unique.values() if _LAYER_INDEX.search(name))
+    named = list(model.named_parameters())  # each Parameter once, however many modules it is tied to
+    total = sum(p.numel() for _, p in named)
+    layers = sum(p.numel() for name, p in named if _LAYER_INDEX.search(name))
     return total, layers
 
 

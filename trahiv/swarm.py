@@ -306,7 +306,7 @@ class Swarm:
             procs += [self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None)]
         return [p for p in procs if p is not None and p.pid is not None]
 
-    def shutdown(self, timeout: float = 8.0) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
         """Leave the swarm: say goodbye, stop the averagers, the DHT and p2pd; never wait more than `timeout`."""
         processes = self.engine_processes()
 

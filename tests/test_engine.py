@@ -1,0 +1,87 @@
+"""trahiv's fixes to hivemind 1.1.12 (trahiv/engine.py), each shown failing without the fix where possible."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from swarm_helpers import ENV, alive, process_tree, wait_for
+from trahiv import engine
+from trahiv.compression import make_compression
+
+engine.apply()
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"), [("uniform8bit", 0.05), ("quantile8bit", 0.05), ("blockwise8bit", 0.02), ("fp16", 1e-3),
+                        ("scaled_fp16", 1e-3), ("size_adaptive", 0.05), ("none", 0.0)],
+)  # fmt: skip
+def test_compression_round_trip_under_numpy2(name, bound):
+    from hivemind.compression import deserialize_torch_tensor
+
+    torch.manual_seed(0)
+    for tensor in (torch.randn(300, 300), torch.randn(1000)):  # above and below the size-adaptive threshold
+        restored = deserialize_torch_tensor(_roundtrip(tensor, name))
+        error = (restored - tensor).norm() / tensor.norm()
+        assert restored.shape == tensor.shape and float(error) <= bound, (name, float(error))
+
+
+def _roundtrip(tensor, name):
+    from hivemind.compression import CompressionInfo
+
+    compression = make_compression(name)
+    return compression.compress(tensor, CompressionInfo.from_tensor(tensor, key=0))
+
+
+def test_malformed_8bit_payloads_are_rejected():
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    tensor = torch.randn(64, 64)
+    for name in ("uniform8bit", "blockwise8bit"):
+        message = make_compression(name).compress(tensor, CompressionInfo.from_tensor(tensor, key=0))
+        for buffer, size in ((message.buffer[:7], [64, 64]), (message.buffer, [65, 64]),
+                             (message.buffer[:-10], [64, 64])):  # fmt: skip
+            forged = type(message)()
+            forged.CopyFrom(message)
+            forged.buffer, forged.size[:] = buffer, size
+            with pytest.raises(ValueError):
+                deserialize_torch_tensor(forged)
+
+
+def test_averager_keeps_the_callers_sigint_handler():
+    """Creating averagers no longer makes the training process ignore Ctrl+C."""
+    import hivemind
+
+    handler = signal.getsignal(signal.SIGINT)
+    dht = hivemind.DHT(start=True, nat_port_map=False)
+    averager = hivemind.averaging.DecentralizedAverager([torch.zeros(3)], dht=dht, prefix="sig", start=True)
+    try:
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def test_engine_processes_exit_when_their_parent_is_killed(tmp_path):
+    """A SIGKILLed peer's DHT (with p2pd) and averager processes do not outlive it."""
+    script = textwrap.dedent("""
+        import time, torch, hivemind, trahiv.swarm
+        dht = hivemind.DHT(start=True, nat_port_map=False)
+        averager = hivemind.averaging.DecentralizedAverager([torch.zeros(3)], dht=dht, prefix="orphans", start=True)
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        tree = wait_for(lambda: len(process_tree(process.pid)) >= 4 and process_tree(process.pid), 30, "children")
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        wait_for(lambda: not alive(tree), 5, f"orphans {alive(tree)} to exit")
+    finally:
+        process.kill()

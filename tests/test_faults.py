@@ -1,0 +1,58 @@
+"""Peers that join late, die, or are stopped: the swarm keeps training and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from swarm_helpers import alive, process_tree, start_bootstrap, start_peer, wait_for
+
+pytestmark = pytest.mark.swarm
+
+
+def test_late_join_sigkill_and_sigint(tmp_path, workdir):
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="faults", target=48, max_steps=14, batch_size=8,
+                  initial_peers=boot.initial_peers, sleep_per_step=0.15)  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
+        b = start_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
+        a.wait_step(3)
+
+        # a peer that joins late downloads the swarm's state first, then trains in step with the others
+        c = start_peer(tmp_path, "c", **common)
+        start = c.ready()["start_step"]
+        assert start >= 3, "the late peer did not catch up with the swarm"
+        a.wait_step(start)
+        begin_c = c.records("begin")[0]
+        assert begin_c["checksum"] == pytest.approx(a.params_at()[start]["checksum"], rel=1e-6)
+
+        # SIGKILL: every process of the dead peer (DHT, p2pd, averagers) goes away within seconds
+        b_tree = process_tree(b.ready()["pid"])
+        assert len(b_tree) >= 4, f"expected the peer and its engine processes, found {b_tree}"
+        os.kill(b.process.pid, signal.SIGKILL)
+        wait_for(lambda: not alive(b_tree), 10, f"the killed peer's processes {alive(b_tree)} to exit")
+        step_at_kill = a.step()
+        a.wait_step(step_at_kill + 2, timeout=90)  # the survivors keep training
+
+        # SIGINT: the peer leaves cleanly within 10 s and leaves no process behind
+        a_tree = process_tree(a.process.pid)
+        began = time.monotonic()
+        a.process.send_signal(signal.SIGINT)
+        code = a.process.wait(timeout=15)
+        assert time.monotonic() - began < 10, "Ctrl+C took too long"
+        assert code == 130, a.log()[-3000:]
+        wait_for(lambda: not alive(a_tree), 3, f"the stopped peer's processes {alive(a_tree)} to exit")
+
+        done_c = c.finish(timeout=240)  # the last peer finishes the run alone
+    finally:
+        boot.stop()
+    assert done_c["global_step"] == 14
+    params_a, params_c = a.params_at(), c.params_at()
+    common_steps = sorted(set(params_a) & set(params_c))
+    assert common_steps, "the late peer never trained in step with the others"
+    for step in common_steps:
+        assert params_c[step]["checksum"] == pytest.approx(params_a[step]["checksum"], rel=1e-6), step
