@@ -62,8 +62,14 @@ class Recorder(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.spec.get("sleep_per_step"):
             time.sleep(self.spec["sleep_per_step"])
-        line = {"kind": "local", "epoch_before": self.epoch_before, "epoch_after": state.global_step,
-                "pre_samples": self.pre_samples, "batch": self.batch, "t": time.time()}  # fmt: skip
+        line = {
+            "kind": "local",
+            "epoch_before": self.epoch_before,
+            "epoch_after": state.global_step,
+            "pre_samples": self.pre_samples,
+            "batch": self.batch,
+            "t": time.time(),
+        }
         self.records.write(json.dumps(line) + "\n")
         if state.global_step > self.epoch_before:
             self._params(state.global_step, "step")
@@ -75,8 +81,12 @@ class Recorder(TrainerCallback):
 
     def _params(self, step: int, kind: str) -> None:
         named = [(n, p.detach().double()) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
-        line = {"kind": kind, "step": step, "checksum": sum(float(p.sum()) for _, p in named),
-                "abs": sum(float(p.abs().sum()) for _, p in named)}  # fmt: skip
+        line = {
+            "kind": kind,
+            "step": step,
+            "checksum": sum(float(p.sum()) for _, p in named),
+            "abs": sum(float(p.abs().sum()) for _, p in named),
+        }
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
         self.records.write(json.dumps(line) + "\n")
@@ -103,17 +113,35 @@ def main(spec_path: str) -> int:
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     toy = spec.get("toy_grad") is not None
-    opt = {"run_id": spec["run_id"], "target_batch_size": spec["target"], "matchmaking_time": spec.get("mm", 2.0),
-           "averaging_timeout": 30.0, "verbose": True, **spec.get("opt", {})}  # fmt: skip
+    opt = {
+        "run_id": spec["run_id"],
+        "target_batch_size": spec["target"],
+        "matchmaking_time": spec.get("mm", 2.0),
+        "averaging_timeout": 30.0,
+        "verbose": True,
+        **spec.get("opt", {}),
+    }
     dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, **spec.get("dht", {})}
     args = TrainingArguments(
-        output_dir=str(out / "output"), per_device_train_batch_size=spec["batch_size"], max_steps=spec["max_steps"],
-        learning_rate=spec.get("lr", 1.0 if toy else 3e-3), optim="sgd" if toy else "adamw_torch",
-        lr_scheduler_type="constant" if toy else "linear", warmup_steps=0 if toy else 1,
-        max_grad_norm=0.0 if toy else 1.0, dataloader_drop_last=toy, weight_decay=0.0, logging_steps=1, report_to=[], disable_tqdm=True,
-        use_cpu=True, save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 1,
-        hivemind_config={"dht": dht, "opt": opt}, seed=spec.get("seed", 42),
-    )  # fmt: skip
+        output_dir=str(out / "output"),
+        per_device_train_batch_size=spec["batch_size"],
+        max_steps=spec["max_steps"],
+        learning_rate=spec.get("lr", 1.0 if toy else 3e-3),
+        optim="sgd" if toy else "adamw_torch",
+        lr_scheduler_type="constant" if toy else "linear",
+        warmup_steps=0 if toy else 1,
+        max_grad_norm=0.0 if toy else 1.0,
+        dataloader_drop_last=toy,
+        weight_decay=0.0,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps") or 1,
+        hivemind_config={"dht": dht, "opt": opt},
+        seed=spec.get("seed", 42),
+    )
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     trainer = Trainer(model=build_model(spec), args=args, train_dataset=dataset)
     trainer.add_callback(Recorder(trainer, spec, out))

@@ -8,9 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -42,8 +43,11 @@ def start_bootstrap(tmp: Path) -> Bootstrap:
     addresses = tmp / "bootstrap.json"
     command = [sys.executable, "-m", "trahiv.cli.main", "dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
     process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
-    peers = wait_for(lambda: addresses.exists() and addresses.stat().st_size and json.loads(addresses.read_text()),
-                     60, "the bootstrap peer")  # fmt: skip
+    peers = wait_for(
+        lambda: addresses.exists() and addresses.stat().st_size and json.loads(addresses.read_text()),
+        60,
+        "the bootstrap peer",
+    )
     return Bootstrap(process, peers)
 
 
@@ -56,8 +60,11 @@ class Peer:
 
     def ready(self, timeout: float = 90) -> dict:
         path = self.out / "ready.json"
-        return wait_for(lambda: self._check_alive() and path.exists() and json.loads(path.read_text()), timeout,
-                        f"peer {self.name} to start training")  # fmt: skip
+        return wait_for(
+            lambda: self._check_alive() and path.exists() and json.loads(path.read_text()),
+            timeout,
+            f"peer {self.name} to start training",
+        )
 
     def _check_alive(self) -> bool:
         if self.process.poll() is not None and not (self.out / "done.json").exists():

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from swarm_helpers import ENV, alive, process_tree, wait_for
 
 TRAHIV = [sys.executable, "-m", "trahiv.cli.main"]
@@ -20,26 +19,37 @@ def test_dht_prints_join_addresses_keeps_identity_and_stops_on_sigterm(tmp_path)
     identity = tmp_path / "bootstrap.key"
     ids = []
     for _ in range(2):  # the same identity file gives the same peer ID across restarts
-        process = subprocess.Popen([*TRAHIV, "dht", "--no-nat-port-map", "--identity-path", str(identity)],
-                                   env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        process = subprocess.Popen(
+            [*TRAHIV, "dht", "--no-nat-port-map", "--identity-path", str(identity)],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = process.stdout.readline()
         match = re.search(r"To join the training, use initial_peers = (\[.*\])", line)
         assert match, line
         peers = json.loads(match.group(1).replace("'", '"'))
         assert peers and all(p.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in p for p in peers)
         ids.append(peers[0].split("/p2p/")[1])
-        tree = wait_for(lambda: len(process_tree(process.pid)) >= 3 and process_tree(process.pid), 20, "p2pd")
+        pid = process.pid
+        tree = wait_for(lambda: len(process_tree(pid)) >= 3 and process_tree(pid), 20, "p2pd")  # noqa: B023
         began = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
         assert time.monotonic() - began < 10
-        wait_for(lambda: not alive(tree), 5, "the DHT and p2pd to exit")
+        wait_for(lambda: not alive(tree), 5, "the DHT and p2pd to exit")  # noqa: B023
     assert ids[0] == ids[1]
 
 
 def test_bad_cli_input_is_a_clean_error():
-    result = subprocess.run([*TRAHIV, "dht", "--no-nat-port-map", "--initial-peers", "127.0.0.1:31337"],
-                            env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*TRAHIV, "dht", "--no-nat-port-map", "--initial-peers", "127.0.0.1:31337"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "malformed multiaddr '127.0.0.1:31337'" in result.stderr and "Traceback" not in result.stderr
 
@@ -48,8 +58,11 @@ def test_bad_cli_input_is_a_clean_error():
 def test_demo_runs_a_local_swarm_end_to_end(tmp_path):
     result = subprocess.run(
         [*TRAHIV, "demo", "--max-steps", "4", "--target-batch-size", "96", "--workdir", str(tmp_path)],
-        env=ENV, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "To join the training, use initial_peers = ['/ip4/127.0.0.1/" in out

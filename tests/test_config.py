@@ -52,9 +52,14 @@ def test_bad_config_fails_with_clear_error(config, expected):
 def test_config_from_json_yaml_and_json_string(tmp_path):
     data = {"dht": {"initial_peers": [PEER]}, "opt": {"run_id": "run", "target_batch_size": 64}}
     (tmp_path / "swarm.json").write_text(json.dumps(data))
-    (tmp_path / "swarm.yaml").write_text(f"dht:\n  initial_peers: ['{PEER}']\nopt:\n  run_id: run\n  target_batch_size: 64\n")
-    loaded = [HivemindConfig.load(tmp_path / "swarm.json"), HivemindConfig.load(str(tmp_path / "swarm.yaml")),
-              HivemindConfig.load(json.dumps(data))]  # fmt: skip
+    (tmp_path / "swarm.yaml").write_text(
+        f"dht:\n  initial_peers: ['{PEER}']\nopt:\n  run_id: run\n  target_batch_size: 64\n"
+    )
+    loaded = [
+        HivemindConfig.load(tmp_path / "swarm.json"),
+        HivemindConfig.load(str(tmp_path / "swarm.yaml")),
+        HivemindConfig.load(json.dumps(data)),
+    ]
     assert all(c == loaded[0] for c in loaded) and loaded[0].dht.initial_peers == [PEER]
 
 
@@ -88,12 +93,23 @@ def test_without_hivemind_config_trainer_is_transformers(tmp_path, workdir):
     from trahiv.demo import BlockDataset
 
     losses = []
-    for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
-                                  (trahiv.Trainer, trahiv.TrainingArguments)):  # fmt: skip
+    for trainer_cls, args_cls in (
+        (transformers.Trainer, transformers.TrainingArguments),
+        (trahiv.Trainer, trahiv.TrainingArguments),
+    ):
         transformers.set_seed(0)
         model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
-        args = args_cls(output_dir=str(tmp_path / trainer_cls.__module__), max_steps=3, per_device_train_batch_size=4,
-                        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+        args = args_cls(
+            output_dir=str(tmp_path / trainer_cls.__module__),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         trainer = trainer_cls(model=model, args=args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
         trainer.train()
         losses.append([row["loss"] for row in trainer.state.log_history if "loss" in row])

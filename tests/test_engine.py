@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 import torch
-
 from swarm_helpers import ENV, alive, process_tree, wait_for
+
 from trahiv import engine
 from trahiv.compression import make_compression
 
@@ -18,9 +18,17 @@ engine.apply()
 
 
 @pytest.mark.parametrize(
-    ("name", "bound"), [("uniform8bit", 0.05), ("quantile8bit", 0.05), ("blockwise8bit", 0.02), ("fp16", 1e-3),
-                        ("scaled_fp16", 1e-3), ("size_adaptive", 0.05), ("none", 0.0)],
-)  # fmt: skip
+    ("name", "bound"),
+    [
+        ("uniform8bit", 0.05),
+        ("quantile8bit", 0.05),
+        ("blockwise8bit", 0.02),
+        ("fp16", 1e-3),
+        ("scaled_fp16", 1e-3),
+        ("size_adaptive", 0.05),
+        ("none", 0.0),
+    ],
+)
 def test_compression_round_trip_under_numpy2(name, bound):
     from hivemind.compression import deserialize_torch_tensor
 
@@ -44,8 +52,11 @@ def test_malformed_8bit_payloads_are_rejected():
     tensor = torch.randn(64, 64)
     for name in ("uniform8bit", "blockwise8bit"):
         message = make_compression(name).compress(tensor, CompressionInfo.from_tensor(tensor, key=0))
-        for buffer, size in ((message.buffer[:7], [64, 64]), (message.buffer, [65, 64]),
-                             (message.buffer[:-10], [64, 64])):  # fmt: skip
+        for buffer, size in (
+            (message.buffer[:7], [64, 64]),
+            (message.buffer, [65, 64]),
+            (message.buffer[:-10], [64, 64]),
+        ):
             forged = type(message)()
             forged.CopyFrom(message)
             forged.buffer, forged.size[:] = buffer, size

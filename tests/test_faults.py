@@ -7,7 +7,6 @@ import signal
 import time
 
 import pytest
-
 from swarm_helpers import alive, process_tree, start_bootstrap, start_peer, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -15,8 +14,15 @@ pytestmark = pytest.mark.swarm
 
 def test_late_join_sigkill_and_sigint(tmp_path, workdir):
     boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="faults", target=48, max_steps=14, batch_size=8,
-                  initial_peers=boot.initial_peers, sleep_per_step=0.15)  # fmt: skip
+    common = dict(
+        workdir=str(workdir),
+        run_id="faults",
+        target=48,
+        max_steps=14,
+        batch_size=8,
+        initial_peers=boot.initial_peers,
+        sleep_per_step=0.15,
+    )
     try:
         a = start_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
         b = start_peer(tmp_path, "b", opt={"min_peers": 2}, **common)

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import transformers
-
 from swarm_helpers import start_peer
+
 from trahiv import Trainer, TrainingArguments
 from trahiv.demo import BlockDataset
 from trahiv.swarm import SwarmJoinError
@@ -18,10 +18,16 @@ UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMEGSxULAnyzgdnsfDLBV5wjy7CThowe4
 
 def make_trainer(tmp_path, workdir, initial_peers, model=None, run_id="errors"):
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-        hivemind_config={"dht": {"initial_peers": initial_peers, "nat_port_map": False, "startup_timeout": 20},
-                         "opt": {"run_id": run_id, "target_batch_size": 16}},
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        hivemind_config={
+            "dht": {"initial_peers": initial_peers, "nat_port_map": False, "startup_timeout": 20},
+            "opt": {"run_id": run_id, "target_batch_size": 16},
+        },
+    )
     model = model or transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
     return Trainer(model=model, args=args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
 
@@ -34,8 +40,16 @@ def test_unreachable_initial_peer_fails_in_bounded_time(tmp_path, workdir):
 
 
 def test_model_with_other_shapes_is_refused(tmp_path, workdir):
-    peer = start_peer(tmp_path, "a", workdir=str(workdir), run_id="shapes", target=10_000, max_steps=50,
-                      batch_size=4, sleep_per_step=0.5)  # fmt: skip
+    peer = start_peer(
+        tmp_path,
+        "a",
+        workdir=str(workdir),
+        run_id="shapes",
+        target=10_000,
+        max_steps=50,
+        batch_size=4,
+        sleep_per_step=0.5,
+    )
     try:
         peer.ready()
         address = [line for line in peer.log().splitlines() if "To join the training" in line][0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from swarm_helpers import start_bootstrap, start_peer
 
 pytestmark = pytest.mark.swarm
@@ -13,8 +12,16 @@ pytestmark = pytest.mark.swarm
 
 def test_lora_peers_average_only_adapters(tmp_path, workdir):
     boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="lora", target=48, max_steps=4, lora=True, lr=1e-2,
-                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "average_state_every": 1})  # fmt: skip
+    common = dict(
+        workdir=str(workdir),
+        run_id="lora",
+        target=48,
+        max_steps=4,
+        lora=True,
+        lr=1e-2,
+        initial_peers=boot.initial_peers,
+        opt={"min_peers": 2, "average_state_every": 1},
+    )
     try:
         a = start_peer(tmp_path, "a", batch_size=8, **common)
         b = start_peer(tmp_path, "b", batch_size=4, **common)

@@ -28,8 +28,15 @@ from trahiv.memory import (
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GPT2_XL = PRESETS["gpt2-xl"]
-TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 128, "bos_token_id": 0,
-             "eos_token_id": 0}  # fmt: skip
+TINY_GPT2 = {
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 1000,
+    "n_positions": 128,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 
 
 def _write_gpt2_config(directory: Path, **overrides: object) -> Path:
@@ -175,11 +182,25 @@ def test_lora_trains_only_the_adapters() -> None:
 # GPT-2 (the released checkpoints), GPT-3 (Brown et al. 2020, Table 2.1), GPT-J (6,053,381,344), and the DALL-E of
 # "Training Transformers Together" (Section 3.1: 64 layers of 1024 units, "~1.1B parameters in total").
 PUBLISHED = {
-    "bert-base": 110e6, "bert-large": 340e6, "t5-3b": 2.85e9, "t5-11b": 11.3e9, "gpt2-small": 124e6,
-    "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.558e9, "gpt3-125m": 125e6, "gpt3-350m": 350e6,
-    "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13.0e9,
-    "gpt3-175b": 175.0e9, "gpt-j-6b": 6.053e9, "dalle": 1.1e9,
-}  # fmt: skip
+    "bert-base": 110e6,
+    "bert-large": 340e6,
+    "t5-3b": 2.85e9,
+    "t5-11b": 11.3e9,
+    "gpt2-small": 124e6,
+    "gpt2-medium": 355e6,
+    "gpt2-large": 774e6,
+    "gpt2-xl": 1.558e9,
+    "gpt3-125m": 125e6,
+    "gpt3-350m": 350e6,
+    "gpt3-760m": 760e6,
+    "gpt3-1.3b": 1.3e9,
+    "gpt3-2.7b": 2.7e9,
+    "gpt3-6.7b": 6.7e9,
+    "gpt3-13b": 13.0e9,
+    "gpt3-175b": 175.0e9,
+    "gpt-j-6b": 6.053e9,
+    "dalle": 1.1e9,
+}
 
 
 def test_every_preset_has_a_published_size() -> None:
@@ -347,9 +368,14 @@ def test_prediction_matches_a_real_training_step(tmp_path: Path, checkpointing: 
     Expect the prediction a few % low: on the CPU, PyTorch keeps dropout masks as float32 rather than as the GPU's
     bool. The fused GELU (gelu_pytorch_tanh) is what the formula assumes; GPT-2's Python `gelu_new` saves more."""
     config_file = _write_gpt2_config(
-        tmp_path, n_layer=8, n_embd=512, n_head=8, vocab_size=8192, n_positions=128,
+        tmp_path,
+        n_layer=8,
+        n_embd=512,
+        n_head=8,
+        vocab_size=8192,
+        n_positions=128,
         activation_function="gelu_pytorch_tanh",
-    )  # fmt: skip
+    )
     env = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "OMP_NUM_THREADS": "2"}
     command = [sys.executable, "-c", MEASURE, str(config_file), "4", "128", str(int(checkpointing))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)

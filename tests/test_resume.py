@@ -5,23 +5,31 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from swarm_helpers import start_peer
 
 pytestmark = pytest.mark.swarm
 
 
 def test_resume_restores_collaborative_step(tmp_path, workdir):
-    first = start_peer(tmp_path, "first", workdir=str(workdir), run_id="resume1", target=16, max_steps=4,
-                       batch_size=8, save_steps=2)  # fmt: skip
+    first = start_peer(
+        tmp_path, "first", workdir=str(workdir), run_id="resume1", target=16, max_steps=4, batch_size=8, save_steps=2
+    )
     assert first.finish()["global_step"] == 4
     checkpoint = first.out / "output" / "checkpoint-4"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "scheduler.pt").exists()
 
-    second = start_peer(tmp_path, "second", workdir=str(workdir), run_id="resume2", target=16, max_steps=8,
-                        batch_size=8, resume=str(checkpoint))  # fmt: skip
+    second = start_peer(
+        tmp_path,
+        "second",
+        workdir=str(workdir),
+        run_id="resume2",
+        target=16,
+        max_steps=8,
+        batch_size=8,
+        resume=str(checkpoint),
+    )
     done = second.finish()
     assert second.records("begin")[0]["step"] == 4, "did not resume at the checkpoint's collaborative step"
     assert second.records("begin")[0]["checksum"] == pytest.approx(first.params_at()[4]["checksum"], rel=1e-9)

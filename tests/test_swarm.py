@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from swarm_helpers import samples_per_epoch, start_bootstrap, start_peer
 
 pytestmark = pytest.mark.swarm
@@ -13,8 +12,14 @@ def test_two_peers_train_together(tmp_path, workdir):
     """Different batch sizes, one peer in client mode: the swarm steps after target_batch_size samples in total, all
     peers hold the same parameters after every collaborative step, and the loss goes down."""
     boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="together", target=64, max_steps=5, initial_peers=boot.initial_peers,
-                  opt={"min_peers": 2})
+    common = dict(
+        workdir=str(workdir),
+        run_id="together",
+        target=64,
+        max_steps=5,
+        initial_peers=boot.initial_peers,
+        opt={"min_peers": 2},
+    )
     try:
         a = start_peer(tmp_path, "a", batch_size=8, **common)
         b = start_peer(tmp_path, "b", batch_size=4, dht={"client_mode": True}, **common)
@@ -38,8 +43,15 @@ def test_contributions_weighted_by_samples(tmp_path, workdir):
     """Each peer's gradient is constant (+1 here, -1 there): the averaged SGD update equals the sample-weighted mean,
     with parameter averaging after every step (hivemind 1.1.12's delayed parameter averaging fails this test)."""
     boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="weights", target=200, max_steps=2, initial_peers=boot.initial_peers,
-                  sleep_per_step=0.2, opt={"min_peers": 2, "average_state_every": 1})
+    common = dict(
+        workdir=str(workdir),
+        run_id="weights",
+        target=200,
+        max_steps=2,
+        initial_peers=boot.initial_peers,
+        sleep_per_step=0.2,
+        opt={"min_peers": 2, "average_state_every": 1},
+    )
     try:
         a = start_peer(tmp_path, "a", batch_size=8, toy_grad=1.0, **common)
         b = start_peer(tmp_path, "b", batch_size=2, toy_grad=-1.0, **common)

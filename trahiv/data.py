@@ -1,26 +1,33 @@
 """Stream a text dataset for a volunteer peer: start at once, read a random portion, never hold the whole dataset.
 
 `stream_dataset(...)` returns a `torch.utils.data.IterableDataset` of fixed-length causal-LM blocks that the
-transformers Trainer accepts as `train_dataset` (with `max_steps` set). Under the hood:
+transformers Trainer accepts as `train_dataset` (with `max_steps` set). In a DataLoader with `num_workers > 0` each
+worker reads its share of the shards (or every n-th example when the workers don't divide the shard count).
 
 1. `datasets.load_dataset(..., streaming=True)` reads a Hub dataset or local JSON-lines / Parquet / text shards
-   (a file, a directory or a glob; the builder is inferred from the extensions when `format` is None);
-2. `IterableDataset.shuffle` shuffles the shard order and the examples through a bounded buffer, seeded per start
-   (see below), then a random number of examples is skipped;
+   (a file, a directory or a glob; the builder is inferred from the extensions when `format` is None; text files
+   give one example per line);
+2. `datasets.IterableDataset.shuffle` shuffles the shard order and interleaves `interleave_shards` shards; the
+   examples then go through a shuffle buffer of `shuffle_buffer` texts, and the first `skip` of them are set aside
+   and come last (the start begins at a random offset of the shuffled stream and wraps around);
 3. texts are tokenized in small batches, joined with the tokenizer's eos token and cut into `block_size` blocks
    (the remainder at the very end is dropped);
 4. a background thread keeps a bounded queue of `prefetch` blocks filled, so training starts with the first block.
+   The thread stops when the iterator is exhausted, closed or dropped; its exceptions are raised in the consumer as
+   `DataStreamError`.
 
-Restarts: each call to `iter()` is one *start*. Its shuffle seed mixes the caller's `seed` (per peer), a
-`restart_nonce` (by default drawn at random when the dataset object is created, i.e. new in every process), the
-epoch given to `set_epoch` and the number of earlier starts of this object. A different seed reorders the shards and
-the shuffle buffer; on top of that a start skips a random number of examples in [0, `max_start_skip`], so a peer
-that restarts begins at a new random position instead of repeating the same prefix. Pass `restart_nonce` to make a
-run reproducible. With `shuffle=False` the stream is read in order, nothing is skipped and nonces are ignored.
+Restarts: each `iter()` of the dataset is one *start*. Its seed mixes the caller's `seed` (per peer, e.g.
+`Swarm.peer_seed()`), a `restart_nonce` (by default drawn at random when the dataset object is created, so it is new
+in every process), the epoch given to `set_epoch` and the number of earlier starts of this object. That seed orders
+the shards and the shuffle buffer, and picks `skip` uniformly in [0, `max_start_skip`]: a peer that restarts begins
+at a new random position instead of repeating the same prefix. The skipped examples are not lost: they are yielded
+at the end of the pass, so one full pass still sees every example exactly once. Pass `restart_nonce` to make a run
+reproducible (`StreamingTextDataset.last_start` shows the seed and skip in use). With `shuffle=False` the stream is
+read in order, nothing is skipped and the seeds are ignored.
 
-Memory is bounded whatever the dataset size: the shuffle buffer holds at most `shuffle_buffer` examples (plus the
-reader's current chunk per open shard), the queue at most `prefetch` blocks, and packing keeps less than one
-tokenizer batch of tokens.
+Memory is bounded whatever the dataset size: at most `shuffle_buffer` + `max_start_skip` texts, plus ~1 MB of JSON
+(or one Parquet record batch) per open shard and the reader's small arrow buffer, plus one tokenizer call (at most
+128K characters unless a single text is longer), plus `prefetch` blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ __all__ = [
     "StreamingTextDataset",
     "infer_format",
     "pack_blocks",
+    "rotate",
     "shuffle_buffer",
     "stream_dataset",
 ]
@@ -86,7 +94,7 @@ class StreamConfig:
     shuffle: bool = True  # False: read in order, skip nothing (deterministic; for tests and evaluation)
     shuffle_buffer: int = 10_000  # texts held for shuffling (memory bound; the first block waits for it to fill)
     interleave_shards: int = 4  # shards read at once, in a random order, to feed the buffer
-    max_start_skip: int = 1_000  # each start skips a random number of examples in [0, max_start_skip]
+    max_start_skip: int = 1_000  # each start defers a random number in [0, max_start_skip] of examples to its end
     restart_nonce: int | None = None  # None: drawn at random per dataset object (new in every process)
     prefetch: int = 64  # blocks the background thread keeps ready
     tokenize_batch: int = 64  # texts tokenized per call
@@ -113,7 +121,7 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class StartPlan:
-    """How one start reads the stream: its shuffle seed and how many shuffled examples it skips first."""
+    """How one start reads the stream: its shuffle seed and how many shuffled examples it defers to its end."""
 
     index: int
     seed: int
@@ -136,13 +144,14 @@ def infer_format(files: Iterable[str]) -> str:
     Compression suffixes (.gz, .zst, ...) are looked through. Raises ValueError if an extension is unknown or the
     files need different builders.
     """
-    formats = {_format_of(f) for f in files}
-    if None in formats:
-        unknown = sorted(f for f in files if _format_of(f) is None)
+    by_file = {file: _format_of(file) for file in files}
+    unknown = sorted(file for file, builder in by_file.items() if builder is None)
+    if unknown:
         raise ValueError(f"format: cannot infer the builder of {unknown[:3]}; pass format='json'|'parquet'|'text'")
+    formats = sorted({builder for builder in by_file.values() if builder is not None})
     if len(formats) != 1:
-        raise ValueError(f"format: the files mix builders {sorted(formats)}; stream them separately or pass format")
-    return formats.pop()
+        raise ValueError(f"format: the files mix builders {formats}; stream them separately or pass format")
+    return formats[0]
 
 
 def _format_of(file: str) -> str | None:
@@ -154,13 +163,14 @@ def _format_of(file: str) -> str | None:
 
 def _local_files(path: str) -> list[str] | None:
     """The sorted data files a local path names (file, directory searched recursively, or glob); None if not local."""
+    path = os.path.expanduser(path)
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
         files = (str(p) for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
         return sorted(f for f in files if _format_of(f) is not None)
-    if _GLOB_CHARS & set(path):
-        return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f)) or None
+    if _GLOB_CHARS & set(path):  # Hub names have no glob characters
+        return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     return None
 
 
@@ -174,7 +184,7 @@ def _load_arguments(config: StreamConfig) -> tuple[str, dict[str, Any]]:
         if config.data_files is not None:
             raise ValueError("data_files: give either a local path or data_files, not both")
         if not files:
-            raise ValueError(f"path: no .jsonl/.json/.parquet/.txt files under {config.path!r}")
+            raise ValueError(f"path: no .jsonl/.json/.parquet/.txt files at {config.path!r}")
         return config.format or infer_format(files), {**kwargs, "data_files": files}
     if config.path in FORMAT_BY_EXTENSION.values():
         if config.data_files is None:
@@ -198,7 +208,17 @@ def _load(config: StreamConfig, seed: int) -> Any:
     if config.shuffle:  # examples are shuffled afterwards, in our buffer of strings (smaller than datasets' arrow one)
         rows = _READ_BATCH * config.interleave_shards
         dataset = dataset.shuffle(seed=seed, buffer_size=rows, max_buffer_input_shards=config.interleave_shards)
-    return dataset
+    return _for_this_worker(dataset)
+
+
+def _for_this_worker(dataset: Any) -> Any:
+    """In a DataLoader worker, this worker's part: its shards, or every n-th example if shards don't divide."""
+    worker = torch.utils.data.get_worker_info()
+    if worker is None or worker.num_workers == 1:
+        return dataset
+    from datasets.distributed import split_dataset_by_node
+
+    return split_dataset_by_node(dataset, rank=worker.id, world_size=worker.num_workers)
 
 
 def _column(dataset: Any, text_column: str) -> Iterator[str]:
@@ -227,12 +247,20 @@ def shuffle_buffer(items: Iterable[T], size: int, rng: random.Random) -> Iterato
     yield from buffer
 
 
+def rotate(items: Iterable[T], offset: int) -> Iterator[T]:
+    """`items` starting at index `offset`, followed by the first `offset` items (held meanwhile; fewer if short)."""
+    iterator = iter(items)
+    head = list(itertools.islice(iterator, offset))
+    yield from iterator
+    yield from head
+
+
 def _texts(config: StreamConfig, plan: StartPlan) -> Iterator[str]:
-    """This start's texts: shuffled shards, then shuffled examples, less the first `plan.skip` of them."""
+    """This start's texts: shuffled shards, then shuffled examples, rotated by `plan.skip`."""
     texts = _column(_load(config, plan.seed), config.text_column)
     if not config.shuffle:
         return texts
-    return itertools.islice(shuffle_buffer(texts, config.shuffle_buffer, random.Random(plan.seed)), plan.skip, None)
+    return rotate(shuffle_buffer(texts, config.shuffle_buffer, random.Random(plan.seed)), plan.skip)
 
 
 # --- tokens to blocks -------------------------------------------------------------------------------------------
@@ -362,7 +390,8 @@ class _PrefetchIterator(Iterator[Any]):
 # --- the dataset ------------------------------------------------------------------------------------------------
 
 
-def _mix(*values: int) -> int:
+def _mix(*values: int | str) -> int:
+    """A 63-bit seed from the values (stable across processes and Python versions)."""
     digest = hashlib.sha256(b"trahiv.data:" + ",".join(str(v) for v in values).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -394,14 +423,14 @@ class StreamingTextDataset(torch.utils.data.IterableDataset):
     def plan(self, index: int) -> StartPlan:
         """The seed and skip of start number `index` (deterministic given seed, restart_nonce and epoch)."""
         seed = _mix(self.config.seed, self.restart_nonce, self.epoch, index)
-        skip = random.Random(seed).randint(0, self.config.max_start_skip) if self.config.shuffle else 0
+        skip = random.Random(_mix(seed, "skip")).randint(0, self.config.max_start_skip) if self.config.shuffle else 0
         return StartPlan(index=index, seed=seed, skip=skip)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         plan = self.plan(self.starts)
         self.starts += 1
         self.last_start = plan
-        logger.info(f"Streaming {self.config.path!r}: start {plan.index}, seed {plan.seed}, skipping {plan.skip}")
+        logger.info(f"Streaming {self.config.path!r}: start {plan.index}, seed {plan.seed}, skip {plan.skip}")
         return _PrefetchIterator(partial(self._examples, plan), size=self.config.prefetch, what=repr(self.config.path))
 
     def _examples(self, plan: StartPlan) -> Iterator[dict[str, torch.Tensor]]:
@@ -435,14 +464,17 @@ def stream_dataset(
     name with `data_files` ("json", "parquet", "text"), or a local file, directory or glob of .jsonl/.json/.parquet/
     .txt shards (optionally compressed). `tokenizer` is a transformers tokenizer with an eos token. `seed` should
     differ between peers (e.g. `Swarm.peer_seed()`); each start also mixes in `restart_nonce` (random by default)
-    and skips up to `max_start_skip` examples, so restarts begin elsewhere. Other keyword arguments go to
-    `datasets.load_dataset` (e.g. `sample_by="paragraph"` for text files). Raises ValueError naming the bad option.
-    See the module docstring for the order, restart and memory guarantees.
+    and begins up to `max_start_skip` examples further on (wrapping around), so restarts begin elsewhere. Other
+    keyword arguments go to `datasets.load_dataset` (e.g. `sample_by="paragraph"` for text files).
+
+    Raises ValueError naming the bad option, or a missing local path, at once; errors while reading (an unknown Hub
+    dataset, a malformed shard, a missing `text_column`) are raised from the iterator as DataStreamError. See the
+    module docstring for the order, restart and memory guarantees.
     """
     config = StreamConfig(
         path=path_or_name, block_size=block_size, seed=seed, data_files=data_files, split=split, name=name,
         text_column=text_column, format=format, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
-        interleave_shards=interleave_shards, max_start_skip=max_start_skip, restart_nonce=restart_nonce, prefetch=prefetch,
-        tokenize_batch=tokenize_batch, load_kwargs=load_kwargs,
+        interleave_shards=interleave_shards, max_start_skip=max_start_skip, restart_nonce=restart_nonce,
+        prefetch=prefetch, tokenize_batch=tokenize_batch, load_kwargs=load_kwargs,
     )  # fmt: skip
     return StreamingTextDataset(config, tokenizer)

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ def start_parent_watchdog() -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), name="trahiv-parent-watchdog", daemon=True).start()
 
 
-def _guard_run(cls: type) -> None:
+def _guard_run(cls: Any) -> None:
     original = cls.run
     if getattr(original, "_trahiv_guarded", False):
         return

@@ -4,17 +4,17 @@ collaborative optimizer, report swarm metrics, and leave cleanly."""
 from __future__ import annotations
 
 import hashlib
-from functools import partial
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -207,7 +207,7 @@ class Swarm:
         found = self.dht.get(f"{self.run_id}_model", latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         values = {str(peer): getattr(entry, "value", None) for peer, entry in entries.items()}
-        return {peer: value for peer, value in values.items() if _is_fingerprint(value)}
+        return {peer: value for peer, value in values.items() if value is not None and _is_fingerprint(value)}
 
     def model_peers(self) -> set[str]:
         """Peers (this one included) that announced a model for this run."""

@@ -143,11 +143,11 @@ class Trainer(transformers.Trainer):
             )
         from trahiv.swarm import Swarm, model_fingerprint  # starts the engine only for swarm peers
 
-        self.swarm = Swarm(config)
+        self.swarm = swarm = Swarm(config)
         try:
-            self.swarm.check_model(model_fingerprint(self.model.named_parameters()))
+            swarm.check_model(model_fingerprint(self.model.named_parameters()))  # type: ignore[union-attr]
         except BaseException:
-            self.swarm.shutdown()
+            swarm.shutdown()
             raise
         handler = self.callback_handler
         handler.callbacks = [
@@ -175,7 +175,7 @@ class Trainer(transformers.Trainer):
         if self.swarm is None:
             return super().set_initial_training_values(args, dataloader, *rest, **kwargs)
         self.collaborative_max_steps = self._collaborative_max_steps(dataloader)
-        target = self.swarm.config.opt.target_batch_size
+        target = config_of(self).opt.target_batch_size
         # The local loop must be able to run until the swarm reaches max_steps: at worst this peer trains alone.
         local_budget = 2 * self.collaborative_max_steps * math.ceil(target / self.samples_per_local_step()) + 10
         user_max_steps, args.max_steps = args.max_steps, local_budget
@@ -191,7 +191,7 @@ class Trainer(transformers.Trainer):
         if dataset is None or not hasattr(dataset, "__len__"):
             raise ValueError("with hivemind_config and a dataset without length, set max_steps (collaborative steps)")
         # an epoch is the swarm processing the whole dataset once
-        return max(1, math.ceil(self.args.num_train_epochs * len(dataset) / self.swarm.config.opt.target_batch_size))
+        return max(1, math.ceil(self.args.num_train_epochs * len(dataset) / config_of(self).opt.target_batch_size))
 
     # --- optimizer and schedule ---------------------------------------------------------------------------------
 
@@ -246,7 +246,7 @@ class Trainer(transformers.Trainer):
 
     def _check_dtypes(self, groups: list[dict[str, Any]]) -> None:
         dtypes = {p.dtype for g in groups for p in g["params"]}
-        opt = self.swarm.config.opt
+        opt = config_of(self).opt
         if torch.bfloat16 in dtypes and opt.offload_optimizer:
             raise ValueError(
                 "bf16 trainable parameters cannot be offloaded by hivemind 1.1.12: set "
@@ -261,7 +261,7 @@ class Trainer(transformers.Trainer):
         if self.swarm is None:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
-            self.lr_scheduler = SwarmScheduler(self.swarm.optimizer)
+            self.lr_scheduler = SwarmScheduler(self.swarm.optimizer)  # type: ignore[assignment]
         return self.lr_scheduler
 
     # --- data -------------------------------------------------------------------------------------------------
@@ -299,6 +299,14 @@ class Trainer(transformers.Trainer):
         if self.swarm is not None:
             logs = {**logs, **self.swarm.metrics()}
         super().log(logs, *args, **kwargs)
+
+
+def config_of(trainer: Trainer) -> HivemindConfig:
+    """The swarm configuration of a trainer that trains with a swarm."""
+    config = getattr(trainer.args, "hivemind", None)
+    if config is None:
+        raise RuntimeError("this Trainer has no hivemind_config")
+    return config
 
 
 def _batch_len(batch: Any) -> int:

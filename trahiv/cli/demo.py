@@ -147,8 +147,9 @@ def run_trainer(args: argparse.Namespace) -> int:
     losses: list[float] = []
 
     class Report(TrainerCallback):
-        def on_log(self, _args: Any, state: Any, _control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-            if logs and "loss" in logs:
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            logs = kwargs.get("logs") or {}
+            if "loss" in logs:
                 losses.append(float(logs["loss"]))
                 print(
                     f"[peer {index}] step {logs.get('collaborative_step')}/{args.max_steps} loss {logs['loss']:.3f} "
@@ -171,13 +172,15 @@ def run_trainer(args: argparse.Namespace) -> int:
     trainer = Trainer(model=model, args=training_args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
     trainer.remove_callback(PrinterCallback)  # the Report line replaces the raw log dicts
     trainer.add_callback(Report())
-    peer_id = trainer.swarm.peer_id
+    swarm = trainer.swarm
+    if swarm is None:
+        raise RuntimeError("the demo trainer must run in a swarm")
     trainer.train()
     summary = {
-        "peer_id": peer_id,
+        "peer_id": swarm.peer_id,
         "batch_size": args.batch_size,
         "collaborative_steps": trainer.state.global_step,
-        "samples_contributed": trainer.swarm.optimizer.samples_contributed,
+        "samples_contributed": swarm.optimizer.samples_contributed if swarm.optimizer else 0,
         "first_loss": losses[0] if losses else float("nan"),
         "last_loss": losses[-1] if losses else float("nan"),
     }

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Make .venv with trahiv and its pinned dependencies, from nothing. Re-running is a no-op unless the pins changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stamp=.venv/.trahiv-setup
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+"${PYTHON:-python3}" -m venv .venv
+# torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build
+.venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+echo "$want" > "$stamp"
