@@ -30,6 +30,17 @@ __all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "st
 MODEL_RECORD_TTL = 600.0  # seconds a peer's model fingerprint stays in the DHT without refresh
 
 
+def show_swarm_events() -> None:
+    """Print trahiv's INFO events (peers joining and leaving, catching up) unless the application set up logging."""
+    root = logging.getLogger("trahiv")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s [trahiv] %(message)s", "%b %d %H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
 class SwarmJoinError(RuntimeError):
     """This peer could not start or reach the swarm."""
 
@@ -96,6 +107,11 @@ class SwarmProgressTracker(ProgressTracker):
     def estimated_next_update_time(self) -> float:
         return get_dht_time() if self.ready_to_update_epoch else self.global_progress.eta_next_epoch
 
+    @property
+    def has_other_peers(self) -> bool:
+        own = self.dht.peer_id.to_base58()
+        return any(peer != own for peer in self.active_peers)
+
     def refresh_now(self) -> None:
         """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
         with self.lock_global_progress:
@@ -128,6 +144,8 @@ class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with trahiv's fixes: the DHT's client mode is always honoured (1.1.12 drops it), each step
     can report its true number of samples, and the samples this peer contributed are counted."""
 
+    tracker: SwarmProgressTracker
+
     def __init__(self, *, dht: hivemind.DHT, **kwargs: Any):
         kwargs["client_mode"] = dht.client_mode  # 1.1.12 reads `client_mode` inverted: pass the DHT's explicitly
         self.pending_batch_size: int | None = None
@@ -144,6 +162,17 @@ class SwarmOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
+
+    # While no other peer is in the swarm, hivemind 1.1.12 still keeps a matchmaking round open for every step that
+    # ends within matchmaking_time: the averager and the DHT then burn ~30% of a core each, polling for a group.
+    # A peer that arrives later is seen at the next progress fetch, and scheduling resumes.
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.has_other_peers:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.has_other_peers:
+            super()._maybe_schedule_state_averaging()
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
@@ -165,6 +194,7 @@ class Swarm:
     """One peer's membership in a swarm: its DHT, its collaborative optimizer, its metrics."""
 
     def __init__(self, config: HivemindConfig, *, announce: Callable[[str], None] = print):
+        show_swarm_events()
         self.config = config
         self.dht = start_dht(config.dht)
         self.optimizer: SwarmOptimizer | None = None

@@ -76,6 +76,24 @@ class SwarmScheduler:
             self.optimizer.state_averager._update_scheduler()  # catch up with the restored collaborative step
 
 
+class PeerShuffleSampler(torch.utils.data.Sampler[int]):
+    """A new random order every epoch, seeded by the peer's identity, so peers do not read the data in one order.
+    (Not a RandomSampler: accelerate would replace that with one seeded like every other peer's.)"""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed((self.seed + self.epoch) % 2**63)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
 class CollaborativeFlowCallback(DefaultFlowCallback):
     """DefaultFlowCallback over collaborative steps: logs, saves, evaluates and stops by the swarm's step."""
 
@@ -271,8 +289,7 @@ class Trainer(transformers.Trainer):
         strategy = getattr(self.args, "train_sampling_strategy", "random")
         if self.swarm is None or dataset is None or not hasattr(dataset, "__len__") or strategy != "random":
             return super()._get_train_sampler(train_dataset)
-        generator = torch.Generator().manual_seed(self.swarm.peer_seed(self.args.seed))
-        return torch.utils.data.RandomSampler(dataset, generator=generator)
+        return PeerShuffleSampler(len(dataset), seed=self.swarm.peer_seed(self.args.seed))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)

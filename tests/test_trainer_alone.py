@@ -1,0 +1,63 @@
+"""One peer alone in its swarm (in this process): data order, mixed precision, clear errors at start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from trahiv import Trainer, TrainingArguments
+from trahiv.demo import BlockDataset
+
+pytestmark = pytest.mark.swarm
+
+
+def make_trainer(tmp_path, workdir, run_id, model=None, opt=None, dht=None, **kwargs):
+    args = TrainingArguments(
+        output_dir=str(tmp_path / run_id), max_steps=2, per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, logging_steps=1,
+        hivemind_config={"dht": {"nat_port_map": False, **(dht or {})},
+                         "opt": {"run_id": run_id, "target_batch_size": 16, **(opt or {})}},
+        **kwargs,
+    )  # fmt: skip
+    model = model or transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
+    return Trainer(model=model, args=args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
+
+
+def first_batch(trainer):
+    return next(iter(trainer.get_train_dataloader()))["input_ids"]
+
+
+def test_each_peer_shuffles_with_its_own_identity(tmp_path, workdir):
+    identity = str(tmp_path / "peer.key")
+    orders = []
+    for name, dht in (("one", {"identity_path": identity}), ("two", {}), ("again", {"identity_path": identity})):
+        trainer = make_trainer(tmp_path, workdir, f"order-{name}", dht=dht)
+        try:
+            orders.append(first_batch(trainer))
+        finally:
+            trainer.swarm.shutdown()
+    assert not torch.equal(orders[0], orders[1]), "two peers read the data in the same order"
+    assert torch.equal(orders[0], orders[2]), "the same peer identity should give the same order"
+
+
+def test_bf16_autocast_trains_and_bf16_weights_fail_clearly(tmp_path, workdir):
+    trainer = make_trainer(tmp_path, workdir, "bf16", bf16=True)
+    result = trainer.train()
+    assert trainer.state.global_step == 2 and result.training_loss > 0
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.bfloat16)
+    trainer = make_trainer(tmp_path, workdir, "bf16-weights", model=model)
+    with pytest.raises(ValueError, match="bf16 trainable parameters cannot be offloaded"):
+        trainer.train()
+    assert trainer.swarm.dht.is_alive() is False  # the peer left the swarm on the error
+
+
+def test_prebuilt_optimizer_is_refused(tmp_path, workdir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                             hivemind_config={"dht": {"nat_port_map": False},
+                                              "opt": {"run_id": "prebuilt", "target_batch_size": 8}})  # fmt: skip
+    with pytest.raises(ValueError, match="cannot be combined with Trainer\\(optimizers="):
+        Trainer(model=model, args=args, optimizers=(optimizer, None))
