@@ -16,6 +16,8 @@ def reap_children():
     yield
     for child in psutil.Process().children(recursive=True):
         try:
+            if "torch_shm_manager" in " ".join(child.cmdline()):
+                continue  # torch's shared-memory manager: this process still talks to it while exiting
             child.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass

@@ -271,7 +271,8 @@ def drain(path):
 drain(sys.argv[2])  # warm up: imports, reader and tokenizer thread pools are not growth
 base = psutil.Process().memory_info().rss
 blocks = drain(sys.argv[1])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM (this process's peak RSS); ru_maxrss would also count the parent's RSS at fork, before exec
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"blocks": blocks, "base": base, "peak": peak}))
 """
 

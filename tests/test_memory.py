@@ -355,7 +355,8 @@ model = build(config)
 if checkpointing:
     model.gradient_checkpointing_enable()
 train(model, [(1, 16), (batch, seq)])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM (this process's peak RSS); ru_maxrss would also count the parent's RSS at fork, before exec
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "bytes": peak - baseline}))
 """
 
