@@ -61,3 +61,26 @@ def test_prebuilt_optimizer_is_refused(tmp_path, workdir):
                                               "opt": {"run_id": "prebuilt", "target_batch_size": 8}})  # fmt: skip
     with pytest.raises(ValueError, match="cannot be combined with Trainer\\(optimizers="):
         Trainer(model=model, args=args, optimizers=(optimizer, None))
+
+
+def test_streamed_data_is_shuffled_by_the_peer_identity(tmp_path, workdir):
+    from transformers import AutoTokenizer
+
+    from trahiv.data import stream_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "tokenizer")
+    data = stream_dataset(str(workdir / "shards"), tokenizer=tokenizer, block_size=64, shuffle_buffer=8)
+    with pytest.raises(ValueError, match="needs a seed"):
+        next(iter(data))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             hivemind_config={"dht": {"nat_port_map": False},
+                                              "opt": {"run_id": "stream", "target_batch_size": 4}})  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    try:
+        assert data.config.seed == trainer.swarm.peer_seed(args.seed)
+        trainer.train()
+        assert trainer.state.global_step == 1
+    finally:
+        trainer.swarm.shutdown()

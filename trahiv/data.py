@@ -43,7 +43,7 @@ import random
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,7 +85,7 @@ class StreamConfig:
 
     path: str  # Hub dataset name, builder name ("json", "parquet", "text") or local file / directory / glob
     block_size: int  # tokens per yielded block
-    seed: int  # per-peer seed (e.g. Swarm.peer_seed()); mixed with restart_nonce for each start
+    seed: int | None  # per-peer seed; None: trahiv.Trainer sets it from the peer's identity (use_peer_seed)
     data_files: str | list[str] | None = None  # files or patterns for a Hub dataset or builder name
     split: str = "train"
     name: str | None = None  # dataset configuration name on the Hub
@@ -104,7 +104,8 @@ class StreamConfig:
         for name in ("block_size", "shuffle_buffer", "interleave_shards", "prefetch", "tokenize_batch"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("max_start_skip", self.max_start_skip, minimum=0)
-        _check_int("seed", self.seed)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
         if self.restart_nonce is not None:
             _check_int("restart_nonce", self.restart_nonce)
         if not isinstance(self.path, str) or not self.path:
@@ -416,12 +417,21 @@ class StreamingTextDataset(torch.utils.data.IterableDataset):
         self.starts = 0
         self.last_start: StartPlan | None = None
 
+    def use_peer_seed(self, seed: int) -> None:
+        """Called by trahiv.Trainer with a seed from the peer's identity; a seed given explicitly is kept."""
+        if self.config.seed is None:
+            self.config = replace(self.config, seed=seed)
+
     def set_epoch(self, epoch: int) -> None:
         """Mixed into the next start's seed (the Trainer / accelerate call it between epochs)."""
         self.epoch = int(epoch)
 
     def plan(self, index: int) -> StartPlan:
         """The seed and skip of start number `index` (deterministic given seed, restart_nonce and epoch)."""
+        if self.config.seed is None:
+            raise ValueError(
+                "stream_dataset(seed=None) needs a seed: pass one, or train with trahiv.Trainer in a swarm"
+            )
         seed = _mix(self.config.seed, self.restart_nonce, self.epoch, index)
         skip = random.Random(_mix(seed, "skip")).randint(0, self.config.max_start_skip) if self.config.shuffle else 0
         return StartPlan(index=index, seed=seed, skip=skip)
@@ -443,7 +453,7 @@ def stream_dataset(
     *,
     tokenizer: Any,
     block_size: int,
-    seed: int,
+    seed: int | None = None,
     data_files: str | list[str] | None = None,
     split: str = "train",
     name: str | None = None,
@@ -463,7 +473,8 @@ def stream_dataset(
     `path_or_name` is a Hub dataset ("HuggingFaceFW/fineweb-edu", with optional `name` and `data_files`), a builder
     name with `data_files` ("json", "parquet", "text"), or a local file, directory or glob of .jsonl/.json/.parquet/
     .txt shards (optionally compressed). `tokenizer` is a transformers tokenizer with an eos token. `seed` should
-    differ between peers (e.g. `Swarm.peer_seed()`); each start also mixes in `restart_nonce` (random by default)
+    differ between peers; left None, trahiv.Trainer derives it from the peer's identity. Each start also mixes in
+    `restart_nonce` (random by default)
     and begins up to `max_start_skip` examples further on (wrapping around), so restarts begin elsewhere. Other
     keyword arguments go to `datasets.load_dataset` (e.g. `sample_by="paragraph"` for text files).
 

@@ -47,7 +47,7 @@ def train_tokenizer(text: str, vocab_size: int = VOCAB_SIZE):
 
 
 def prepare_workdir(workdir: str | Path, seed: int = 0) -> Path:
-    """Write tokenizer/, model/ (config + initial weights, loadable with from_pretrained) and blocks.pt."""
+    """Write tokenizer/, model/ (config + initial weights, loadable with from_pretrained), blocks.pt and shards/."""
     from transformers import GPT2LMHeadModel
 
     workdir = Path(workdir)
@@ -62,7 +62,21 @@ def prepare_workdir(workdir: str | Path, seed: int = 0) -> Path:
     # overlapping windows (stride half a block) give the demo more distinct samples from a small text
     shifted = torch.tensor(ids[BLOCK_SIZE // 2 :][: usable - BLOCK_SIZE], dtype=torch.long).view(-1, BLOCK_SIZE)
     torch.save(torch.cat([blocks, shifted]), workdir / "blocks.pt")
+    write_shards(text, workdir / "shards")
     return workdir
+
+
+def write_shards(text: str, folder: Path, shards: int = 4) -> Path:
+    """The text as JSON-lines shards, one paragraph per record: what trahiv.data streams in the demo."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    for index in range(shards):
+        with open(folder / f"part-{index:02d}.jsonl", "w", encoding="utf-8") as f:
+            for paragraph in paragraphs[index::shards]:
+                f.write(json.dumps({"text": paragraph}) + "\n")
+    return folder
 
 
 class BlockDataset(torch.utils.data.Dataset):

@@ -167,6 +167,9 @@ class Trainer(transformers.Trainer):
         except BaseException:
             swarm.shutdown()
             raise
+        use_peer_seed = getattr(self.train_dataset, "use_peer_seed", None)
+        if callable(use_peer_seed):  # a trahiv.data stream without an explicit seed shuffles by this peer's identity
+            use_peer_seed(swarm.peer_seed(self.args.seed))
         handler = self.callback_handler
         handler.callbacks = [
             CollaborativeFlowCallback(self) if isinstance(cb, DefaultFlowCallback) else cb for cb in handler.callbacks

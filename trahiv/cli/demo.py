@@ -138,10 +138,11 @@ def _summarize(workdir: Path, args: argparse.Namespace, codes: list[int]) -> int
 
 
 def run_trainer(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
     from trahiv import Trainer, TrainingArguments
-    from trahiv.demo import BlockDataset
+    from trahiv.data import stream_dataset
+    from trahiv.demo import BLOCK_SIZE
 
     workdir, index = Path(args.workdir), args.index
     losses: list[float] = []
@@ -169,7 +170,11 @@ def run_trainer(args: argparse.Namespace) -> int:
         },
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(workdir / "model")
-    trainer = Trainer(model=model, args=training_args, train_dataset=BlockDataset.load(workdir / "blocks.pt"))
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "tokenizer")
+    # streamed like a large dataset would be: shuffled by this peer's identity (no seed given: the Trainer sets it)
+    data = stream_dataset(str(workdir / "shards"), tokenizer=tokenizer, block_size=BLOCK_SIZE, shuffle_buffer=64,
+                          max_start_skip=16, prefetch=16)  # fmt: skip
+    trainer = Trainer(model=model, args=training_args, train_dataset=data)
     trainer.remove_callback(PrinterCallback)  # the Report line replaces the raw log dicts
     trainer.add_callback(Report())
     swarm = trainer.swarm
