@@ -168,10 +168,10 @@ def _extract_quantized(self, serialized_tensor) -> torch.Tensor:
     codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
     quantized = np.frombuffer(buffer, offset=8 + codebook_bytes, dtype=self.indices_dtype)
     _expect(quantized.size, size, type(self).__name__)
-    indices = torch.as_tensor(quantized, dtype=torch.int64).reshape(size)
+    indices = torch.from_numpy(quantized.astype(np.int64)).reshape(size)
     if indices.numel() and int(indices.max()) >= codebook_size:
         raise ValueError(f"quantized index {int(indices.max())} outside a codebook of {codebook_size}")
-    codebook_t = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    codebook_t = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
     return codebook_t[indices].requires_grad_(serialized_tensor.requires_grad)
 
 
@@ -193,9 +193,9 @@ def _extract_blockwise(self, serialized_tensor) -> torch.Tensor:
     if absmax_size != -(-quantized.size // blocksize):
         raise ValueError(f"blockwise payload of {quantized.size} values needs {-(-quantized.size // blocksize)} scales")
     result = dequantize_blockwise(
-        torch.as_tensor(quantized).reshape(size),
-        absmax=torch.as_tensor(absmax),
-        code=torch.as_tensor(codebook),
+        torch.from_numpy(quantized.copy()).reshape(size),  # copies: the received buffer is read-only
+        absmax=torch.from_numpy(absmax.copy()),
+        code=torch.from_numpy(codebook.copy()),
         blocksize=blocksize,
         nested=False,
     )

@@ -47,9 +47,14 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
     except KeyboardInterrupt:
         print("Stopping the bootstrap peer", file=sys.stderr)
+        return 0
     finally:
+        crashed = not dht.is_alive()
         dht.shutdown()
-    return 0 if deadline is not None or not dht.is_alive() else 1
+    if crashed:
+        print("The DHT process stopped unexpectedly", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _ensure_identity(path: str) -> None:

@@ -1,0 +1,196 @@
+"""bitsandbytes 8-bit optimizers inside the swarm, with the optimizer offloaded to the CPU (trahiv's default), trained
+for real on the CPU: AdamW through `optim=`, LAMB through `optimizer_cls_and_kwargs`, gradient checkpointing, and a
+late peer downloading the 8-bit optimizer state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import bitsandbytes as bnb
+import pytest
+import torch
+import transformers
+from swarm_helpers import ENV, TESTS, Peer, start_bootstrap
+from transformers import TrainerCallback
+
+from trahiv import Trainer, TrainingArguments
+from trahiv.demo import BlockDataset
+
+pytestmark = pytest.mark.swarm
+
+STEPS = 3
+WORKER = TESTS / "optim8bit_worker.py"
+
+
+def make_trainer(tmp: Path, workdir: Path, run_id: str, trainer_kwargs: dict | None = None, **kwargs: Any) -> Trainer:
+    """A lone peer (in this process) with 2 local steps of 8 samples per collaborative step."""
+    args = TrainingArguments(
+        output_dir=str(tmp / run_id), max_steps=STEPS, per_device_train_batch_size=8, learning_rate=3e-3,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1,
+        hivemind_config={"dht": {"nat_port_map": False}, "opt": {"run_id": run_id, "target_batch_size": 16}},
+        **kwargs,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
+    dataset = BlockDataset.load(workdir / "blocks.pt")
+    return Trainer(model=model, args=args, train_dataset=dataset, **(trainer_kwargs or {}))
+
+
+def train(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Train; return the parameters as they were before."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    return before
+
+
+def offloaded_state(trainer: Trainer, param: torch.nn.Parameter) -> dict[str, Any]:
+    """The inner optimizer's state of a model parameter (the optimizer holds offloaded copies, in the same order)."""
+    swarm_opt = trainer.swarm.optimizer
+    index = next(i for i, p in enumerate(swarm_opt.state_averager.main_parameters) if p is param)
+    offloaded = [p for group in swarm_opt.opt.param_groups for p in group["params"]]
+    return swarm_opt.opt.state[offloaded[index]]
+
+
+def check_trained_in_8_bits(trainer: Trainer, before: dict[str, torch.Tensor], cls: type, lamb: bool = False) -> None:
+    assert trainer.state.global_step == STEPS
+    optimizer = trainer.swarm.optimizer.opt
+    assert isinstance(optimizer, cls) and optimizer.args.optim_bits == 8, optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    model_params = {id(p) for p in trainer.model.parameters()}
+    assert not model_params & {id(p) for p in params}, "the optimizer should update offloaded copies"
+    eight_bit = 0
+    for p in params:
+        state = optimizer.state[p]
+        assert state["state1"].device.type == state["state2"].device.type == "cpu"
+        if p.numel() >= optimizer.args.min_8bit_size:  # bitsandbytes keeps tiny tensors (biases) in 32 bits
+            assert state["state1"].dtype == state["state2"].dtype == torch.uint8, p.shape
+            eight_bit += p.numel()
+    assert eight_bit > 0.95 * sum(p.numel() for p in params)
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    # bitsandbytes' LAMB bounds each update by max_unorm x the parameter's norm: parameters at zero (biases) stay there
+    should_change = {name for name, p in before.items() if not lamb or p.any()}
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    assert len(should_change) > len(before) / 2 and should_change <= changed, f"unchanged: {should_change - changed}"
+
+
+@pytest.fixture(scope="module")
+def adamw_8bit(tmp_path_factory, workdir) -> tuple[Trainer, dict[str, torch.Tensor]]:
+    trainer = make_trainer(tmp_path_factory.mktemp("adamw8bit"), workdir, "adamw-8bit", optim="adamw_bnb_8bit")
+    return trainer, train(trainer)
+
+
+def test_adamw_bnb_8bit_trains_with_8_bit_states_on_the_cpu(adamw_8bit):
+    trainer, before = adamw_8bit
+    check_trained_in_8_bits(trainer, before, bnb.optim.AdamW)
+
+
+def test_lamb_8bit_from_optimizer_cls_and_kwargs(tmp_path, workdir):
+    lamb = {"optimizer_cls_and_kwargs": (bnb.optim.LAMB8bit, {"lr": 1e-2})}
+    trainer = make_trainer(tmp_path, workdir, "lamb-8bit", trainer_kwargs=lamb)
+    before = train(trainer)
+    check_trained_in_8_bits(trainer, before, bnb.optim.LAMB8bit, lamb=True)
+    assert {group["initial_lr"] for group in trainer.swarm.optimizer.opt.param_groups} == {1e-2}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="trahiv.Trainer.create_optimizer does not register bitsandbytes' GlobalOptimManager override that "
+    "transformers.Trainer registers (nn.Embedding weights keep 32-bit states with 8-bit optimizers); with the "
+    "optimizer offloaded, the override must name the offloaded copies",
+)
+def test_embeddings_keep_32_bit_states_as_with_transformers_trainer(adamw_8bit):
+    trainer, _ = adamw_8bit
+    embedding = trainer.model.get_input_embeddings()
+    assert embedding.weight.numel() >= trainer.swarm.optimizer.opt.args.min_8bit_size
+    assert offloaded_state(trainer, embedding.weight)["state1"].dtype == torch.float32
+
+
+class CheckpointingProbe(TrainerCallback):
+    """Counts local steps, forward calls of a block's attention (recomputation stops after the last tensor the
+    backward pass needs, so the attention, the block's first part, is the part surely recomputed), and whether the model says checkpointing is on."""
+
+    def __init__(self, model: torch.nn.Module, block: torch.nn.Module):
+        self.model, self.steps, self.block_calls, self.enabled = model, 0, 0, []
+        block.register_forward_hook(self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.block_calls += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        self.enabled.append(self.model.is_activation_checkpointing)
+
+
+# transformers 5 renamed gradient_checkpointing (kept as a deprecated alias) to activation_checkpointing
+@pytest.mark.parametrize("argument", ["gradient_checkpointing", "activation_checkpointing"])
+def test_gradient_checkpointing_is_honoured(tmp_path, workdir, argument):
+    trainer = make_trainer(tmp_path, workdir, f"{argument}-8bit", optim="adamw_bnb_8bit", **{argument: True})
+    assert not trainer.model.is_activation_checkpointing  # the Trainer turns it on when training starts
+    probe = CheckpointingProbe(trainer.model, trainer.model.transformer.h[0].attn)
+    trainer.add_callback(probe)
+    before = train(trainer)
+    assert probe.steps == 2 * STEPS and all(probe.enabled) and len(probe.enabled) == probe.steps
+    assert probe.block_calls == 2 * probe.steps, "each block should run again in the backward pass (recomputation)"
+    check_trained_in_8_bits(trainer, before, bnb.optim.AdamW)
+
+
+# --- two peers ----------------------------------------------------------------------------------------------------
+
+
+def start_worker(tmp: Path, name: str, **spec: Any) -> Peer:
+    """swarm_helpers.start_peer, with the 8-bit worker."""
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(out), **spec}
+    (out / "spec.json").write_text(json.dumps(spec))
+    log = open(out / "log.txt", "w")
+    command = [sys.executable, str(WORKER), str(out / "spec.json")]
+    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    return Peer(name, out, process, spec)
+
+
+def optimizer_rows(peer: Peer) -> dict[tuple[str, int], dict]:
+    rows = [json.loads(line) for line in (peer.out / "optim.jsonl").read_text().splitlines()]
+    return {(row["kind"], row["step"]): row for row in rows}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    sums_a, sums_b = a["sums"], b["sums"]
+    return sums_a.keys() == sums_b.keys() and all(sums_a[k] == pytest.approx(sums_b[k], rel=1e-6) for k in sums_a)
+
+
+def test_late_peer_downloads_the_8_bit_state_and_trains_in_step(tmp_path, workdir):
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="late-8bit", target=32, batch_size=8, max_steps=6, sleep=0.3,
+                  initial_peers=boot.initial_peers)  # fmt: skip
+    try:
+        # the first peer trains slowly until the late one is ready, so that the swarm is still training then
+        a = start_worker(tmp_path, "a", slow_sleep=1.0, slow_until=str(tmp_path / "b" / "ready.json"), **common)
+        a.wait_step(1, timeout=60)
+        b = start_worker(tmp_path, "b", **common)
+        start = b.ready(timeout=60)["start_step"]
+        done_a, done_b = a.finish(timeout=60), b.finish(timeout=30)
+    finally:
+        boot.stop()
+    assert 1 <= start < 6, f"the late peer started at step {start}"
+    assert done_a["global_step"] == done_b["global_step"] == 6
+    rows_a, rows_b = optimizer_rows(a), optimizer_rows(b)
+    begin_b = rows_b["begin", start]
+    assert begin_b["class"] == "AdamW" and begin_b["dtypes"]["state1"] == ["float32", "uint8"], begin_b
+    # the downloaded state is the swarm's, exactly: the first peer's after one of its steps (the latest, unless the
+    # swarm moved on while the late peer downloaded), not the fresh state of a newly built optimizer
+    assert any(same_state(begin_b, rows_a["step", step]) for step in (start, start - 1)), (begin_b, rows_a)
+    common_steps = sorted({s for kind, s in rows_a if kind == "step"} & {s for kind, s in rows_b if kind == "step"})
+    assert common_steps and common_steps[-1] == 6, common_steps
+    for step in common_steps:
+        assert same_state(rows_a["step", step], rows_b["step", step]), step
+        assert rows_b["step", step]["steps"] == rows_a["step", step]["steps"], step
+    params_a, params_b = a.params_at(), b.params_at()
+    for step in common_steps:
+        assert params_b[step]["checksum"] == pytest.approx(params_a[step]["checksum"], rel=1e-6), step
+    assert done_b["abs"] == pytest.approx(done_a["abs"], rel=1e-6)
+    assert done_b["checksum"] == pytest.approx(done_a["checksum"], rel=1e-6, abs=1e-4)
