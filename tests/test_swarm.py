@@ -37,6 +37,9 @@ def test_two_peers_train_together(tmp_path, workdir):
     losses = [r["loss"] for r in a.records("log")]
     assert losses[-1] < losses[0] - 0.1, losses
     assert done_a["samples_contributed"] > 0 and done_b["samples_contributed"] > 0
+    assert "To join the training, use initial_peers = ['/ip4/127.0.0.1/tcp/" in a.log()
+    assert "Peer joined the swarm" in a.log() and "Peer joined the swarm" in b.log()
+    assert "'swarm_peers': 2" in a.log(), "the Trainer's logs should count both peers"
 
 
 def test_contributions_weighted_by_samples(tmp_path, workdir):

@@ -84,3 +84,22 @@ def test_streamed_data_is_shuffled_by_the_peer_identity(tmp_path, workdir):
         assert trainer.state.global_step == 1
     finally:
         trainer.swarm.shutdown()
+
+
+def test_8bit_adamw_states_are_offloaded_and_embeddings_stay_32bit(tmp_path, workdir):
+    trainer = make_trainer(tmp_path, workdir, "adamw8bit", optim="adamw_bnb_8bit")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    inner = trainer.swarm.optimizer.opt
+    assert type(inner).__module__.startswith("bitsandbytes")
+    offloaded = [p for group in inner.param_groups for p in group["params"]]
+
+    def state_of(model_param):  # the offloaded copy holds the same values as the model's parameter
+        (match,) = [p for p in offloaded if p.shape == model_param.shape and torch.equal(p, model_param.detach())]
+        return inner.state[match]
+
+    wte = state_of(trainer.model.transformer.wte.weight)
+    mlp = state_of(trainer.model.transformer.h[0].mlp.c_fc.weight)
+    assert wte["state1"].dtype == torch.float32, "embeddings must keep 32-bit optimizer states"
+    assert mlp["state1"].dtype == torch.uint8 and mlp["state1"].device.type == "cpu"
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))

@@ -230,8 +230,11 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"optim={self.args.optim!r} builds its own parameter list ({special}); not supported")
         self._check_dtypes(groups)
         max_steps, args = self.collaborative_max_steps, self.args
+        full_precision = _embedding_positions(opt_model, groups) if _is_8bit(optimizer_cls, optimizer_kwargs) else []
 
         def make_optimizer(param_groups):
+            if full_precision:  # as transformers does: embeddings keep 32-bit optimizer states
+                _keep_32bit_states(param_groups, full_precision)
             return optimizer_cls(param_groups, **optimizer_kwargs)
 
         def make_scheduler(optimizer):
@@ -319,6 +322,26 @@ class Trainer(transformers.Trainer):
         if self.swarm is not None:
             logs = {**logs, **self.swarm.metrics()}
         super().log(logs, *args, **kwargs)
+
+
+def _is_8bit(optimizer_cls: Any, optimizer_kwargs: dict[str, Any]) -> bool:
+    is_bnb = "bitsandbytes" in str(optimizer_cls)
+    return is_bnb and (optimizer_kwargs.get("optim_bits") == 8 or optimizer_cls.__name__.endswith("8bit"))
+
+
+def _embedding_positions(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(group, index) of embedding weights in the optimizer's parameter groups."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [(g, i) for g, group in enumerate(groups) for i, p in enumerate(group["params"]) if id(p) in embeddings]
+
+
+def _keep_32bit_states(param_groups: list[dict[str, Any]], positions: list[tuple[int, int]]) -> None:
+    """bitsandbytes overrides by tensor identity: name the (offloaded) tensors the optimizer is built on."""
+    import bitsandbytes as bnb
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.override_config([param_groups[g]["params"][i] for g, i in positions], "optim_bits", 32)
+    manager.register_parameters(param_groups)
 
 
 def config_of(trainer: Trainer) -> HivemindConfig:
