@@ -3,8 +3,9 @@
 Like peer_worker.py (whose Recorder and model it reuses: ready.json, records.jsonl, done.json), but it trains with
 TrainingArguments(optim=SPEC["optim"], default "adamw_bnb_8bit") and also writes optim.jsonl: a digest of the inner
 optimizer's state when training begins (after a late peer downloaded the swarm's state) and after every collaborative
-step. done.json adds the final parameters' checksum. After every local step the peer sleeps SPEC["slow_sleep"] seconds
-until the file SPEC["slow_until"] exists (a peer still training when a late one joins), SPEC["sleep"] afterwards.
+step, and the file "stepped" after its first collaborative step. done.json adds the final parameters' checksum. After
+every local step the peer sleeps SPEC["slow_sleep"] seconds until the file SPEC["slow_until"] exists (a peer still
+training slowly while a late one joins and catches up), SPEC["sleep"] seconds afterwards.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def state_digest(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class OptimizerStateRecorder(TrainerCallback):
-    """Appends the inner optimizer's state digest to optim.jsonl at the start and after every collaborative step."""
+    """Appends the inner optimizer's state digest to optim.jsonl at the start and after every collaborative step;
+    creates the file "stepped" after the first collaborative step."""
 
     def __init__(self, trainer: Trainer, out: Path):
-        self.trainer, self.path, self.last_step = trainer, out / "optim.jsonl", -1
+        self.trainer, self.out, self.last_step = trainer, out, -1
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._write("begin", state.global_step)
@@ -52,12 +54,13 @@ class OptimizerStateRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step > self.last_step:
             self._write("step", state.global_step)
+            (self.out / "stepped").touch()
 
     def _write(self, kind: str, step: int) -> None:
         self.last_step = step
         optimizer = self.trainer.swarm.optimizer.opt  # type: ignore[union-attr]
         row = {"kind": kind, "step": step, "class": type(optimizer).__name__, **state_digest(optimizer)}
-        with open(self.path, "a") as f:
+        with open(self.out / "optim.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 __all__ = [
     "COMPONENTS",
+    "COMPONENT_LABELS",
     "GiB",
     "OPTIMIZER_BITS",
     "PRECISIONS",
@@ -56,6 +57,13 @@ GiB = 2**30
 PRECISIONS = ("fp32", "fp16", "bf16")
 OPTIMIZER_BITS = (32, 8)
 COMPONENTS = ("weights", "master_weights", "gradients", "optimizer_states", "activations")
+COMPONENT_LABELS = {
+    "weights": "weights",
+    "master_weights": "fp32 master weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+}  # how the command line and the web page name the components
 
 _MASTER_BYTES = 4  # an fp32 copy of a trainable parameter
 _OPTIMIZER_STATE_BYTES = {32: 8, 8: 2}  # Adam/LAMB: exp_avg and exp_avg_sq, 4 or 1 byte each

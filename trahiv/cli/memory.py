@@ -1,20 +1,28 @@
 """`trahiv memory`: how much GPU and CPU memory training a model takes, with 8-bit optimizers, offloading, gradient
-checkpointing, parameter sharing or LoRA (the memory calculator of "Training Transformers Together")."""
+checkpointing, parameter sharing or LoRA (the memory calculator of "Training Transformers Together").
+
+`trahiv memory --serve` runs the same calculator as a web page (trahiv.web.memory_page) with uvicorn; MODEL and the
+options, if given, are then the page's starting values (a config.json becomes one more model to choose)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+from typing import Any
 
-from trahiv.memory import COMPONENTS, OPTIMIZER_BITS, PRECISIONS, PRESETS, GiB, MemoryEstimate, MemoryOptions
+from trahiv.memory import (
+    COMPONENT_LABELS,
+    COMPONENTS,
+    OPTIMIZER_BITS,
+    PRECISIONS,
+    PRESETS,
+    GiB,
+    MemoryEstimate,
+    MemoryOptions,
+)
 
-_LABELS = {
-    "weights": "weights",
-    "master_weights": "fp32 master weights",
-    "gradients": "gradients",
-    "optimizer_states": "optimizer states",
-    "activations": "activations",
-}
+__all__ = ["format_table", "register", "run"]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +31,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="estimate the GPU and CPU memory needed to train a model",
         epilog=f"presets: {', '.join(PRESETS)}",
     )
-    parser.add_argument("model", help="a preset name (e.g. gpt2-xl, dalle) or a transformers config.json (or its dir)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="a preset name (e.g. gpt2-xl, dalle) or a transformers config.json (or its dir); optional with --serve",
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32, or fp16/bf16 mixed precision")
@@ -33,13 +45,26 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--parameter-sharing", action="store_true", help="all layers share weights (ALBERT-style)")
     parser.add_argument("--lora-rank", type=int, default=None, help="train only LoRA adapters of this rank")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
-    parser.set_defaults(run=run)
+    parser.add_argument("--serve", action="store_true", help="run the calculator as a web page (GET /memory)")
+    parser.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="with --serve: the port to listen on")
+    parser.set_defaults(run=run, parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from trahiv.memory import estimate, resolve_model
 
-    options = MemoryOptions(
+    if args.serve:
+        return serve(args)
+    if args.model is None:
+        args.parser.error("the following arguments are required: model (unless --serve)")
+    result = estimate(resolve_model(args.model), _options(args))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_table(result))
+    return 0
+
+
+def _options(args: argparse.Namespace) -> MemoryOptions:
+    return MemoryOptions(
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         precision=args.precision,
@@ -49,9 +74,56 @@ def run(args: argparse.Namespace) -> int:
         parameter_sharing=args.parameter_sharing,
         lora_rank=args.lora_rank,
     )
-    result = estimate(resolve_model(args.model), options)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_table(result))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The web page, with MODEL and the options as its starting values, until Ctrl+C or SIGTERM."""
+    import uvicorn
+
+    from trahiv.memory import resolve_model
+    from trahiv.web.memory_page import DEFAULT_MODEL, MemoryQuery, create_app
+
+    if args.json:
+        args.parser.error("--json and --serve exclude each other")
+    _options(args)  # the options' own checks, as without --serve
+    extra: dict[str, Any] = {}
+    model = DEFAULT_MODEL if args.model is None else args.model
+    shape = resolve_model(model)
+    if shape.name not in PRESETS:  # a config.json: one more model on the page
+        extra[shape.name] = shape
+    defaults = MemoryQuery(
+        model=shape.name,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        optimizer_bits=args.optimizer_bits,
+        offload=args.offload,
+        gradient_checkpointing=args.gradient_checkpointing,
+        parameter_sharing=args.parameter_sharing,
+        lora_rank=args.lora_rank,
+    )
+    print(f"Memory calculator: http://{_url_host(args.host)}:{args.port}/memory", flush=True)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again: exit 0 then, as `trahiv dht` does
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        uvicorn.run(create_app(extra, defaults), host=args.host, port=args.port, log_level="info")
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def format_table(result: MemoryEstimate) -> str:
@@ -64,7 +136,8 @@ def format_table(result: MemoryEstimate) -> str:
         f"{'component':<22}{'GPU (GiB)':>12}{'CPU (GiB)':>12}",
     ]
     for name in COMPONENTS:
-        lines.append(f"{_LABELS[name]:<22}{_gib(getattr(result.gpu, name)):>12}{_gib(getattr(result.cpu, name)):>12}")
+        gpu, cpu = _gib(getattr(result.gpu, name)), _gib(getattr(result.cpu, name))
+        lines.append(f"{COMPONENT_LABELS[name]:<22}{gpu:>12}{cpu:>12}")
     lines.append(f"{'total':<22}{_gib(result.gpu.total):>12}{_gib(result.cpu.total):>12}")
     return "\n".join(lines)
 
