@@ -4,7 +4,11 @@ It trains with trahiv's Trainer as a user script would, and writes what the test
 - ready.json      once training begins: peer id, pids of its engine processes, the step it started from
 - records.jsonl   one line per local step (collaborative step before/after, samples, loss) and, at every
                   collaborative step, the trainable parameters' checksum (or values, for the toy model)
-- done.json       at the end: collaborative step, samples contributed, train loss
+- done.json       at the end: collaborative step, samples contributed, train loss (and, with SPEC["eval_blocks"],
+                  the loss of the initial and final model on the dataset's first blocks)
+- attacks.jsonl   with SPEC["byzantine"] = {"attack": "scale" | "nan" | "sign_flip" | "noise", "factor": x} (or a list
+                  of them, used in turn): one line per averaging round whose gradients this peer corrupted just before
+                  sending them
 """
 
 from __future__ import annotations
@@ -20,7 +24,55 @@ import transformers
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
+from trahiv.averaging import RobustGradientAverager
 from trahiv.demo import BlockDataset
+from trahiv.swarm import Swarm
+
+
+def corrupt_(tensors, attack: str, factor: float) -> None:
+    """What a Byzantine peer sends instead of its gradients (in place)."""
+    for tensor in tensors:
+        if attack == "scale":
+            tensor.mul_(factor)
+        elif attack == "sign_flip":
+            tensor.mul_(-factor)
+        elif attack == "noise":
+            tensor.add_(torch.randn_like(tensor) * factor)
+        elif attack == "nan":
+            tensor.fill_(float("nan")).view(-1)[1::2] = float("inf")
+        else:
+            raise ValueError(f"unknown attack {attack!r}")
+
+
+def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAverager]:
+    """A gradient averager that corrupts this peer's accumulated gradients just before every all-reduce, with the
+    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends)."""
+
+    class ByzantineGradientAverager(RobustGradientAverager):
+        rounds = 0
+
+        async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
+            attack = attacks[self.rounds % len(attacks)]
+            with torch.no_grad():
+                corrupt_(tensors, attack["attack"], attack.get("factor", 1.0))
+            line = {"round": self.rounds, **attack, "group_size": len(group_info.peer_ids), "t": time.time()}
+            with open(log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            self.rounds += 1
+            await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+
+    return ByzantineGradientAverager
+
+
+@torch.no_grad()
+def eval_loss(model, dataset, blocks: int) -> float:
+    """Mean loss on the dataset's first `blocks` blocks (the same for every peer and run)."""
+    was_training = model.training
+    model.eval()
+    batch = torch.stack([dataset[i]["input_ids"] for i in range(blocks)])
+    loss = float(model(input_ids=batch, labels=batch)["loss"])
+    model.train(was_training)
+    return loss
 
 
 class ToyModel(torch.nn.Module):
@@ -127,9 +179,9 @@ def main(spec_path: str) -> int:
         per_device_train_batch_size=spec["batch_size"],
         max_steps=spec["max_steps"],
         learning_rate=spec.get("lr", 1.0 if toy else 3e-3),
-        optim="sgd" if toy else "adamw_torch",
-        lr_scheduler_type="constant" if toy else "linear",
-        warmup_steps=0 if toy else 1,
+        optim=spec.get("optim", "sgd" if toy else "adamw_torch"),
+        lr_scheduler_type=spec.get("scheduler", "constant" if toy else "linear"),
+        warmup_steps=0 if toy or spec.get("scheduler") == "constant" else 1,
         max_grad_norm=0.0 if toy else 1.0,
         dataloader_drop_last=toy,
         weight_decay=0.0,
@@ -142,8 +194,13 @@ def main(spec_path: str) -> int:
         hivemind_config={"dht": dht, "opt": opt},
         seed=spec.get("seed", 42),
     )
+    if spec.get("byzantine"):
+        attacks = spec["byzantine"] if isinstance(spec["byzantine"], list) else [spec["byzantine"]]
+        Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl")
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
-    trainer = Trainer(model=build_model(spec), args=args, train_dataset=dataset)
+    model = build_model(spec)
+    begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.add_callback(Recorder(trainer, spec, out))
     result = trainer.train(resume_from_checkpoint=spec.get("resume"))
     done = {
@@ -151,6 +208,9 @@ def main(spec_path: str) -> int:
         "samples_contributed": trainer.swarm.optimizer.samples_contributed,
         "train_loss": result.training_loss,
     }
+    if spec.get("eval_blocks"):
+        done["eval_loss_begin"] = begin_loss
+        done["eval_loss"] = eval_loss(trainer.model, dataset, spec["eval_blocks"])
     if spec.get("lora"):
         torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, out / "final.pt")
     (out / "done.json").write_text(json.dumps(done))

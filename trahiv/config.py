@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["COMPRESSIONS", "DHTConfig", "HivemindConfig", "OptimizerConfig"]
+__all__ = ["COMPRESSIONS", "AggregationConfig", "DHTConfig", "HivemindConfig", "OptimizerConfig"]
 
 COMPRESSIONS = ("none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive")
 CompressionName = Literal[
@@ -93,6 +93,16 @@ class DHTConfig(_Section):
         return self.model_dump(exclude_none=True)
 
 
+class AggregationConfig(_Section):
+    """How reducers combine peers' gradients. Parts with non-finite values or invalid weights are always excluded."""
+
+    name: Literal["mean", "centered_clip"] = Field(
+        "mean", description="'mean' (hivemind's weighted mean) or 'centered_clip' (robust to Byzantine peers)"
+    )
+    tau: float = Field(1.0, gt=0, allow_inf_nan=False, description="CenteredClip radius (L2 norm per part)")
+    n_iters: int = Field(20, ge=1, description="CenteredClip iterations")
+
+
 class OptimizerConfig(_Section):
     """Keyword arguments for `hivemind.Optimizer` (the swarm's collaborative optimizer)."""
 
@@ -127,8 +137,11 @@ class OptimizerConfig(_Section):
     # trahiv's own (not hivemind.Optimizer keywords)
     min_peers: int = Field(1, ge=1, description="at start, wait until this many peers (this one included) are here")
     min_peers_timeout: float = Field(120.0, gt=0, description="give up waiting for min_peers after this many seconds")
+    aggregation: AggregationConfig = Field(
+        default_factory=AggregationConfig, description="gradient aggregation: {'name', 'tau', 'n_iters'}"
+    )
 
-    TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset({"min_peers", "min_peers_timeout"})
+    TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset({"min_peers", "min_peers_timeout", "aggregation"})
 
     @field_validator("run_id")
     @classmethod

@@ -13,12 +13,13 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from trahiv import engine
+from trahiv.averaging import Aggregation, RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.compression import make_compression
 from trahiv.config import DHTConfig, HivemindConfig
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("trahiv.swarm")
 __all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "start_dht"]
 
 MODEL_RECORD_TTL = 600.0  # seconds a peer's model fingerprint stays in the DHT without refresh
+UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
 
 
 def show_swarm_events() -> None:
@@ -89,11 +91,17 @@ class SwarmProgressTracker(ProgressTracker):
     - The collaborative step advances only once the swarm *reported* `target_batch_size` samples (or another peer
       already moved on); hivemind 1.1.12 also advances when its throughput-based ETA runs out.
     - It keeps the set of active peers and the swarm's total samples/s, and logs peers joining and leaving.
+    - Forged records cannot move the swarm: a record more than one step ahead of this peer counts only if a quorum
+      of peers reports that far (a lone one is checked by downloading the swarm's state, see SwarmOptimizer), and a
+      record's samples_accumulated counts for at most target_batch_size.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.active_peers: dict[str, LocalTrainingProgress] = {}
         self.swarm_samples_per_second = 0.0
+        self.ignored_records: dict[str, int] = {}  # peer -> the unconfirmed step its record reports
+        self.unconfirmed_epoch = 0
+        self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
         super().__init__(*args, **kwargs)
 
     @property
@@ -119,14 +127,10 @@ class SwarmProgressTracker(ProgressTracker):
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
 
     def _parse_swarm_progress_data(self, metadata: Any):
-        progress = super()._parse_swarm_progress_data(metadata)
-        peers: dict[str, LocalTrainingProgress] = {}
-        for entry in metadata.values() if isinstance(metadata, dict) else ():
-            try:  # records passed the DHT's schema validator; a bad one must still never stop this thread
-                record = LocalTrainingProgress.parse_obj(entry.value)
-                peers[PeerID(record.peer_id).to_base58()] = record
-            except Exception as e:
-                logger.debug(f"Ignoring a malformed progress record: {e!r}")
+        records = self._trusted_records(self._well_formed_records(metadata))
+        sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
+        progress = super()._parse_swarm_progress_data(sanitized)
+        peers = {PeerID(record.peer_id).to_base58(): record for record, _ in records.values()}
         own = self.dht.peer_id.to_base58()
         for peer in peers.keys() - self.active_peers.keys():
             if peer != own:
@@ -139,6 +143,51 @@ class SwarmProgressTracker(ProgressTracker):
         self.swarm_samples_per_second = others + self.performance_ema.samples_per_second
         return progress
 
+    def _well_formed_records(self, metadata: Any) -> dict[Any, tuple[LocalTrainingProgress, float]]:
+        """Records that parse, by DHT subkey, with samples_accumulated capped at target_batch_size."""
+        records = {}
+        for key, entry in metadata.items() if isinstance(metadata, dict) else ():
+            try:  # records passed the DHT's schema validator; a bad one must still never stop this thread
+                record = LocalTrainingProgress.parse_obj(entry.value)
+                PeerID(record.peer_id).to_base58()
+            except Exception as e:
+                logger.debug(f"Ignoring a malformed progress record: {e!r}")
+                continue
+            record.samples_accumulated = min(record.samples_accumulated, self.target_batch_size)
+            records[key] = (record, entry.expiration_time)
+        return records
+
+    def _trusted_records(
+        self, records: dict[Any, tuple[LocalTrainingProgress, float]]
+    ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
+        """Drop records more than one step ahead of this peer unless a quorum of peers reports that far (one forged
+        record must not move the swarm); remember the highest dropped epoch in `unconfirmed_epoch`."""
+        limit = trusted_epoch([record.epoch for record, _ in records.values()], self.local_progress.epoch)
+        trusted, dropped = {}, {}
+        for key, (record, expiration) in records.items():
+            if record.epoch <= limit:
+                trusted[key] = (record, expiration)
+            else:
+                dropped[PeerID(record.peer_id).to_base58()] = record.epoch
+        for peer, epoch in dropped.items():
+            if (peer, epoch) not in self._reported:
+                self._reported.add((peer, epoch))
+                logger.warning(
+                    f"Ignoring the progress record of peer {peer}: step {epoch} is ahead of this peer's step "
+                    f"{self.local_progress.epoch} and not confirmed by other peers"
+                )
+        self.ignored_records = dropped
+        self.unconfirmed_epoch = max(dropped.values(), default=0)
+        return trusted
+
+
+def trusted_epoch(epochs: list[int], local_epoch: int) -> int:
+    """The highest step a progress record may report: one ahead of this peer's, or more where at least
+    max(2, majority of the records) report at least that much."""
+    quorum = max(2, len(epochs) // 2 + 1)
+    ahead = sorted((epoch for epoch in epochs if epoch > local_epoch + 1), reverse=True)
+    return ahead[quorum - 1] if len(ahead) >= quorum else local_epoch + 1
+
 
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with trahiv's fixes: the DHT's client mode is always honoured (1.1.12 drops it), each step
@@ -150,7 +199,37 @@ class SwarmOptimizer(hivemind.Optimizer):
         kwargs["client_mode"] = dht.client_mode  # 1.1.12 reads `client_mode` inverted: pass the DHT's explicitly
         self.pending_batch_size: int | None = None
         self.samples_contributed = 0
+        self._next_unconfirmed_check = time.monotonic() + UNCONFIRMED_CHECK_PERIOD
         super().__init__(dht=dht, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        """hivemind's state averager, but parameters with non-finite values are excluded from averaging rounds."""
+        return RobustTrainingStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's rule, plus: a lone record far ahead (ignored by the tracker) is checked by downloading the
+        swarm's state, at most once per UNCONFIRMED_CHECK_PERIOD; what the peers serve decides the step."""
+        if super()._should_load_state_from_peers():
+            return True
+        if self.tracker.unconfirmed_epoch <= self.local_epoch + 1 or time.monotonic() < self._next_unconfirmed_check:
+            return False
+        self._next_unconfirmed_check = time.monotonic() + UNCONFIRMED_CHECK_PERIOD
+        logger.info(f"A peer reports step {self.tracker.unconfirmed_epoch}: checking with the swarm's state")
+        return True
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return SwarmProgressTracker(
@@ -192,6 +271,8 @@ class SwarmOptimizer(hivemind.Optimizer):
 
 class Swarm:
     """One peer's membership in a swarm: its DHT, its collaborative optimizer, its metrics."""
+
+    grad_averager_cls: type[RobustGradientAverager] = RobustGradientAverager  # tests swap in a faulty one
 
     def __init__(self, config: HivemindConfig, *, announce: Callable[[str], None] = print):
         show_swarm_events()
@@ -282,7 +363,11 @@ class Swarm:
         request_timeout = min(3.0, opt.matchmaking_time / 2)
         kwargs["averager_opts"] = {"request_timeout": request_timeout, **opt.averager_opts}
         if not opt.use_local_updates:
-            kwargs["grad_averager_factory"] = partial(GradientAverager, request_timeout=request_timeout)
+            kwargs["grad_averager_factory"] = partial(
+                self.grad_averager_cls,
+                request_timeout=request_timeout,
+                aggregation=Aggregation(**opt.aggregation.model_dump()),
+            )
         # peers must notice that the swarm moved on while the averaging group is still forming
         refresh = min(10.0, opt.matchmaking_time / 2)
         kwargs["tracker_opts"] = {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
@@ -306,7 +391,7 @@ class Swarm:
         if self.optimizer is None:
             raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         tracker = self.optimizer.tracker
-        others = [peer for peer in tracker.active_peers if peer != self.peer_id]
+        others = [peer for peer in {**tracker.active_peers, **tracker.ignored_records} if peer != self.peer_id]
         if not others and tracker.global_epoch <= self.optimizer.local_epoch:
             return False
         logger.info(

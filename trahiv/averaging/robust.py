@@ -1,0 +1,323 @@
+"""Robust aggregation inside hivemind's decentralized all-reduce.
+
+In hivemind's butterfly all-reduce every peer reduces one slice ("part") of the averaged tensors: all senders stream
+their copy of that part to it, and it returns the aggregate. hivemind 1.1.12 sums the parts as they arrive, so one
+sender with `[nan, 1e30]` poisons every peer. Here the reducer buffers every sender's copy of the current part and
+aggregates once all expected copies arrived:
+
+- always: a copy with a non-finite value, a wrong shape, or a weight that is not finite and >= 0 is excluded from the
+  round (weight 0) and its sender is logged (WARNING, by peer ID, once per round);
+- then the weighted mean (hivemind's result) or CenteredClip (Karimireddy et al. 2020), which bounds how far one
+  sender can move the aggregate, whatever it sends.
+
+What peers receive is still decoded by hivemind's protobuf messages and compression deserializers: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
+
+logger = logging.getLogger("trahiv.averaging")
+
+__all__ = [
+    "Aggregation",
+    "NoUsablePartError",
+    "RobustAllReduceRunner",
+    "RobustGradientAverager",
+    "RobustTensorPartReducer",
+    "RobustTrainingStateAverager",
+    "aggregate",
+    "centered_clip",
+    "rejection_reason",
+    "weighted_mean",
+    "weighted_median",
+]
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a reducer combines the senders' copies of one part: `mean` (hivemind's weighted mean) or `centered_clip`
+    (`n_iters` clipping iterations with radius `tau`, started from the weighted coordinate median)."""
+
+    name: Literal["mean", "centered_clip"] = "mean"
+    tau: float = 1.0
+    n_iters: int = 20
+
+    def __post_init__(self) -> None:
+        if self.name not in ("mean", "centered_clip"):
+            raise ValueError(f"unknown aggregation {self.name!r}: use 'mean' or 'centered_clip'")
+        if not (self.tau > 0 and self.tau != float("inf")) or self.n_iters < 1:
+            raise ValueError(f"aggregation needs a finite tau > 0 and n_iters >= 1, got {self}")
+
+
+MEAN = Aggregation()
+
+
+class NoUsablePartError(AllreduceException):
+    """Every copy of a part was excluded: its senders keep their local values for it."""
+
+
+# --- aggregation of one part ----------------------------------------------------------------------------------------
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i, summed in the given order like hivemind's streaming reducer."""
+    total = parts[0] * weights[0]
+    for part, weight in zip(parts[1:], weights[1:], strict=True):
+        total.add_(part, alpha=weight)
+    return total.div_(sum(weights))
+
+
+def weighted_median(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise weighted median of `stacked` [senders, ...] (the lower one on a tie)."""
+    values, order = stacked.sort(dim=0)
+    cumulative = weights[order].cumsum(dim=0)
+    below_half = (cumulative < cumulative[-1:] / 2).sum(dim=0, keepdim=True)
+    return values.gather(0, below_half.clamp_(max=stacked.shape[0] - 1)).squeeze(0)
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: float, n_iters: int) -> torch.Tensor:
+    """CenteredClip: v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i with clip(z, tau) = z min(1, tau / ||z||),
+    `n_iters` times from the weighted coordinate median (stops early once v moves by less than 1e-6 tau)."""
+    stacked = torch.stack([part.reshape(-1).float() for part in parts])
+    w = torch.tensor(weights, dtype=stacked.dtype)
+    w = w / w.sum()
+    center = weighted_median(stacked, w)
+    deltas = torch.empty_like(stacked)
+    for _ in range(n_iters):
+        torch.sub(stacked, center, out=deltas)
+        norms = torch.linalg.vector_norm(deltas, dim=1)
+        coefficients = w * (tau / norms.clamp_min(1e-30)).clamp_(max=1.0)
+        if not bool(torch.isfinite(norms).all()):  # x_i - v overflowed: that copy's clipped contribution is 0
+            deltas[~torch.isfinite(norms)] = 0.0
+        step = coefficients @ deltas
+        center += step
+        if float(step.norm()) <= 1e-6 * tau:
+            break
+    return center.reshape(parts[0].shape).to(parts[0].dtype)
+
+
+def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation = MEAN) -> torch.Tensor:
+    """The aggregate of usable copies of one part (finite values, weights finite and >= 0, positive total weight)."""
+    if aggregation.name == "centered_clip" and len(parts) > 1:
+        return centered_clip(parts, weights, aggregation.tau, aggregation.n_iters)
+    return weighted_mean(parts, weights)
+
+
+def rejection_reason(part: torch.Tensor, weight: float, shape: torch.Size) -> str | None:
+    """Why a received copy of a part must not be aggregated, or None if it may."""
+    if not (weight >= 0 and weight != float("inf")):  # also catches NaN
+        return f"invalid weight {weight!r}"
+    if part.shape != shape:
+        return f"shape {tuple(part.shape)} instead of {tuple(shape)}"
+    if not math.isfinite(float(part.sum(dtype=torch.float64))):  # one pass; any nan/inf makes the sum non-finite
+        return "non-finite values (nan/inf)"
+    return None
+
+
+# --- the reducer --------------------------------------------------------------------------------------------------
+
+
+class RobustTensorPartReducer(TensorPartReducer):
+    """hivemind's reducer, but it buffers every sender's copy of the current part, excludes unusable copies and
+    aggregates with `aggregation` once all expected copies arrived. `sender_names` (peer IDs) are used in logs."""
+
+    current_part_index: int
+    current_part_accumulated_from: int
+    num_current_senders: int
+    current_part_future: asyncio.Future
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        *,
+        aggregation: Aggregation = MEAN,
+        sender_names: Sequence[str] | None = None,
+    ):
+        self.aggregation = aggregation
+        self.sender_names = list(sender_names) if sender_names is not None else [str(i) for i in range(num_senders)]
+        self.received: list[tuple[torch.Tensor, float]] = []  # usable copies of the current part
+        self.excluded_senders: dict[int, str] = {}  # sender index -> why its copies were excluded (this round)
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        """Move on to the next part (hivemind's, without allocating a sum: copies are buffered in self.received)."""
+        assert self.current_part_accumulated_from == self.num_current_senders or self.current_part_index == -1
+        self.received = []
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
+        self.accumulator = None
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """Buffer this copy of the part, wait for all other copies, then return the aggregate."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for previous parts to finish processing
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self._receive(sender_index, tensor_part, weight)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def _receive(self, sender_index: int, part: torch.Tensor, weight: float) -> None:
+        reason = rejection_reason(part, weight, self.part_shapes[self.current_part_index])
+        if reason is None:
+            self.received.append((part, float(weight)))
+        elif sender_index not in self.excluded_senders:
+            self.excluded_senders[sender_index] = reason
+            logger.warning(
+                f"Excluding peer {self.sender_names[sender_index]} from this averaging round: it sent {reason} "
+                f"(part {self.current_part_index})"
+            )
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self._resolve_current_part()
+            self.reset_accumulators()
+
+    def _resolve_current_part(self) -> None:
+        usable = [(part, weight) for part, weight in self.received if weight > 0]
+        if usable:
+            parts, weights = [part for part, _ in usable], [weight for _, weight in usable]
+            self.current_part_future.set_result(aggregate(parts, weights, self.aggregation))
+        elif self.current_part_accumulated_from == 0:  # nobody waits for it (every sender failed)
+            self.current_part_future.set_result(torch.zeros(self.part_shapes[self.current_part_index]))
+        else:
+            self.current_part_future.set_exception(
+                NoUsablePartError(f"no usable copy of part {self.current_part_index}: senders keep their own values")
+            )
+
+
+def _retire(reducer: TensorPartReducer) -> None:
+    """Retire a reducer that was never used (it must not warn about parts it never received)."""
+    reducer.current_part_future.cancel()
+    reducer.finished.set()
+
+
+# --- the all-reduce runner and the averagers --------------------------------------------------------------------------
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce runner with a RobustTensorPartReducer for the part this peer reduces."""
+
+    def __init__(self, *, aggregation: Aggregation = MEAN, **kwargs: Any):
+        super().__init__(**kwargs)
+        _retire(self.tensor_part_reducer)
+        self.tensor_part_reducer: TensorPartReducer = RobustTensorPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            aggregation=aggregation,
+            sender_names=[peer.to_base58() for peer in self.sender_peer_ids],
+        )
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            try:
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                delta = averaged_part - tensor_part
+            except NoUsablePartError:
+                delta = torch.zeros_like(tensor_part)  # keep the local values of a part nobody could aggregate
+            self.tensor_part_container.register_processed_part(peer_index, part_index, delta)
+
+
+async def run_robust_allreduce_(
+    averager: Any,
+    aggregation: Aggregation,
+    tensors: Sequence[torch.Tensor],
+    group_info: Any,
+    group_id: bytes | None = None,
+    **kwargs: Any,
+) -> None:
+    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner."""
+    group_id = group_info.group_id if group_id is None else group_id
+    runner = RobustAllReduceRunner(
+        aggregation=aggregation,
+        p2p=averager._p2p,
+        servicer_type=type(averager),
+        prefix=averager.prefix,
+        tensors=tensors,
+        group_id=group_id,
+        ordered_peer_ids=group_info.peer_ids,
+        **kwargs,
+    )
+    assert group_id in averager._running_groups, f"group {group_id!r} was not registered"
+    averager._running_groups[group_id].set_result(runner)
+    if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
+        async for _ in runner:
+            raise ValueError("aux peers should not receive averaged tensors")
+        return
+    updates: AsyncIterator = azip(as_aiter(*tensors), runner)
+    async for tensor, update in updates:
+        tensor.add_(update, alpha=averager._averaging_alpha)
+        averager.last_updated = get_dht_time()
+        averager._state_updated.set()
+
+
+class RobustGradientAverager(GradientAverager):
+    """hivemind's GradientAverager whose all-reduce excludes garbage and aggregates with `aggregation`."""
+
+    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
+        self.aggregation = aggregation  # set before the averager process forks
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
+        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, **kwargs)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names RPCs after the class: keep hivemind's names so that subclasses and plain peers interoperate
+        return GradientAverager._get_handle_name(namespace, method_name)
+
+
+class RobustTrainingStateAverager(TrainingStateAverager):
+    """hivemind's TrainingStateAverager (parameters, optimizer statistics) whose all-reduce excludes garbage."""
+
+    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
+        self.aggregation = aggregation
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
+        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, **kwargs)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
