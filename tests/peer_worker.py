@@ -103,8 +103,9 @@ class Recorder(TrainerCallback):
             "start_step": state.global_step,
             "averaged_tensors": len(swarm.optimizer.state_averager.main_parameters),
         }
-        (self.out / "ready.json").write_text(json.dumps(ready))
-        self._params(state.global_step, "begin")
+        self._params(state.global_step, "begin")  # before ready.json: tests read it as soon as the peer is ready
+        (self.out / "ready.tmp").write_text(json.dumps(ready))
+        (self.out / "ready.tmp").rename(self.out / "ready.json")  # atomic: never read half-written
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         opt = self.trainer.swarm.optimizer
