@@ -35,14 +35,14 @@ def run(args: argparse.Namespace) -> int:
     if args.identity_path:
         _ensure_identity(args.identity_path)
     dht = start_dht(config)
-    addresses = join_addresses(dht)
-    print(f"To join the training, use initial_peers = {addresses}", flush=True)
-    if args.addresses_file:
-        with open(args.addresses_file, "w") as f:
-            json.dump(addresses, f)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
-        with interrupt_on_signals():
+        with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
+            addresses = join_addresses(dht)
+            print(f"To join the training, use initial_peers = {addresses}", flush=True)
+            if args.addresses_file:
+                with open(args.addresses_file, "w") as f:
+                    json.dump(addresses, f)
             while dht.is_alive() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.5)
     except KeyboardInterrupt:
