@@ -2,6 +2,15 @@
 # Make .venv with trahiv and its pinned dependencies, from nothing. Re-running is a no-op unless the pins changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# headless Chromium for the dashboard's browser test (tests/test_dashboard.py skips it where chromium is missing)
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+  else
+    echo "setup: chromium is missing and we are not root (or have no apt-get): the dashboard's browser test will be" \
+      "skipped; install Debian's chromium package to run it" >&2
+  fi
+fi
 stamp=.venv/.trahiv-setup
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -5,7 +5,8 @@ TrainingArguments(optim=SPEC["optim"], default "adamw_bnb_8bit") and also writes
 optimizer's state when training begins (after a late peer downloaded the swarm's state) and after every collaborative
 step, and the file "stepped" after its first collaborative step. done.json adds the final parameters' checksum. After
 every local step the peer sleeps SPEC["slow_sleep"] seconds until the file SPEC["slow_until"] exists (a peer still
-training slowly while a late one joins and catches up), SPEC["sleep"] seconds afterwards.
+training slowly while a late one joins and catches up), SPEC["sleep"] seconds afterwards; from step 1 on it waits for
+the file SPEC["hold_until"] (the late peer's ready.json) to exist.
 """
 
 from __future__ import annotations
@@ -65,12 +66,20 @@ class OptimizerStateRecorder(TrainerCallback):
 
 
 class Pacer(TrainerCallback):
-    """Sleeps `slow` seconds after every local step until the file `until` exists, `fast` seconds afterwards."""
+    """Sleeps `slow` seconds after every local step until the file `until` exists, `fast` seconds afterwards. With
+    `hold`, from collaborative step 1 on it also waits (at most 180 s) for the file `hold` to exist: on a loaded
+    machine, a late peer may take longer to start than this one takes to finish."""
 
-    def __init__(self, slow: float, until: str | None, fast: float):
+    def __init__(self, slow: float, until: str | None, fast: float, hold: str | None = None):
         self.slow, self.until, self.fast = slow, None if until is None else Path(until), fast
+        self.hold = None if hold is None else Path(hold)
 
     def on_step_end(self, args, state, control, **kwargs):
+        deadline = time.monotonic() + 180
+        while self.hold is not None and state.global_step >= 1 and not self.hold.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.hold} did not appear within 180 s")
+            time.sleep(0.2)
         slow = self.until is not None and not self.until.exists()
         time.sleep(self.slow if slow else self.fast)
 
@@ -91,7 +100,8 @@ def main(spec_path: str) -> int:
     trainer = Trainer(model=build_model(spec), args=args, train_dataset=dataset)
     trainer.add_callback(Recorder(trainer, spec, out))
     trainer.add_callback(OptimizerStateRecorder(trainer, out))
-    trainer.add_callback(Pacer(spec.get("slow_sleep", 0.0), spec.get("slow_until"), spec.get("sleep", 0.0)))
+    pacer = Pacer(spec.get("slow_sleep", 0.0), spec.get("slow_until"), spec.get("sleep", 0.0), spec.get("hold_until"))
+    trainer.add_callback(pacer)
     result = trainer.train()
     params = [p.detach().double() for p in trainer.model.parameters() if p.requires_grad]
     done = {

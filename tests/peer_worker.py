@@ -3,7 +3,8 @@
 It trains with trahiv's Trainer as a user script would, and writes what the tests check into SPEC["out"]:
 - ready.json      once training begins: peer id, pids of its engine processes, the step it started from
 - records.jsonl   one line per local step (collaborative step before/after, samples, loss) and, at every
-                  collaborative step, the trainable parameters' checksum (or values, for the toy model)
+                  collaborative step, the trainable parameters' checksum (or values, for the toy model) and the
+                  metrics record it published (kind "metrics"; SPEC["metrics"] is hivemind_config["metrics"])
 - done.json       at the end: collaborative step, samples contributed, train loss (and, with SPEC["eval_blocks"],
                   the loss of the initial and final model on the dataset's first blocks)
 - attacks.jsonl   with SPEC["byzantine"] = {"attack": "scale" | "nan" | "sign_flip" | "noise", "factor": x} (or a list
@@ -13,6 +14,7 @@ It trains with trahiv's Trainer as a user script would, and writes what the test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -21,12 +23,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from hivemind.averaging import DecentralizedAverager
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
-from trahiv.averaging import RobustGradientAverager
+from trahiv.averaging import RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.demo import BlockDataset
-from trahiv.swarm import Swarm
+from trahiv.swarm import Swarm, SwarmOptimizer
 
 
 def corrupt_(tensors, attack: str, factor: float) -> None:
@@ -36,6 +39,8 @@ def corrupt_(tensors, attack: str, factor: float) -> None:
             tensor.mul_(factor)
         elif attack == "sign_flip":
             tensor.mul_(-factor)
+        elif attack == "inflate_weight":  # the flipped gradient, sent with a weight `factor` times its samples
+            tensor.mul_(-1.0)
         elif attack == "noise":
             tensor.add_(torch.randn_like(tensor) * factor)
         elif attack == "nan":
@@ -59,9 +64,27 @@ def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAve
             with open(log, "a") as f:
                 f.write(json.dumps(line) + "\n")
             self.rounds += 1
+            if attack["attack"] == "inflate_weight":
+                kwargs["weight"] = kwargs["weight"] * attack["factor"]
             await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
 
     return ByzantineGradientAverager
+
+
+class PoisonedStateAverager(RobustTrainingStateAverager):
+    """Trains honestly but serves NaN weights to peers that download its state, claiming the highest priority."""
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return float(self._state_sharing_priority.value)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        DecentralizedAverager.state_sharing_priority.fset(self, 1e9)  # type: ignore[attr-defined]
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        return metadata, [torch.full_like(t, float("nan")) if t.is_floating_point() else t for t in tensors], infos
 
 
 @torch.no_grad()
@@ -124,8 +147,13 @@ class Recorder(TrainerCallback):
             "t": time.time(),
         }
         self.records.write(json.dumps(line) + "\n")
+        if state.global_step < self.epoch_before:  # a moderator reverted the swarm (trahiv.revert)
+            self._params(state.global_step, "revert")
         if state.global_step > self.epoch_before:
             self._params(state.global_step, "step")
+            published = self.trainer.swarm.metrics_publisher
+            if published is not None and published.last_record is not None:  # what the aux peer must have read
+                self.records.write(json.dumps({"kind": "metrics", **published.last_record.dict()}) + "\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -142,6 +170,10 @@ class Recorder(TrainerCallback):
         }
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
+        if kind == "revert":  # exact weights, by name
+            exact = [(n, p.detach().contiguous()) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+            line["sha256"] = {n: hashlib.sha256(p.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                              for n, p in exact}  # fmt: skip
         self.records.write(json.dumps(line) + "\n")
 
 
@@ -192,12 +224,14 @@ def main(spec_path: str) -> int:
         use_cpu=True,
         save_strategy="steps" if spec.get("save_steps") else "no",
         save_steps=spec.get("save_steps") or 1,
-        hivemind_config={"dht": dht, "opt": opt},
+        hivemind_config={"dht": dht, "opt": opt, **{k: spec[k] for k in ("metrics", "auth") if k in spec}},
         seed=spec.get("seed", 42),
     )
     if spec.get("byzantine"):
         attacks = spec["byzantine"] if isinstance(spec["byzantine"], list) else [spec["byzantine"]]
         Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl")
+    if spec.get("poison_state"):
+        SwarmOptimizer.state_averager_cls = PoisonedStateAverager
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None

@@ -36,6 +36,7 @@ ATTACKS = {
     "sign_flip": {"attack": "sign_flip", "factor": 10.0},
     "noise": {"attack": "noise", "factor": 1.0},
 }
+INFLATE_WEIGHT = {"attack": "inflate_weight", "factor": 1e3}  # flipped gradients claiming 1000x their samples
 FORGED_EPOCH = 10**6
 EACH_ATTACK = bool(os.environ.get("TRAHIV_TEST_EACH_ATTACK"))
 
@@ -77,7 +78,15 @@ def run_swarm(tmp: Path, workdir: Path, aggregation: dict, attack: str | None = 
     )
     try:
         honest = [start_peer(tmp, f"honest{i}", **common) for i in range(3)]
-        byzantine = list(ATTACKS.values()) if attack == "cycle" else ATTACKS[attack] if attack else None
+        byzantine = (
+            list(ATTACKS.values())
+            if attack == "cycle"
+            else INFLATE_WEIGHT
+            if attack == "inflate_weight"
+            else ATTACKS[attack]
+            if attack
+            else None
+        )
         fourth = start_peer(tmp, "fourth", byzantine=byzantine, **common)
         if forge:
             honest[0].wait_step(1)
@@ -185,3 +194,17 @@ def test_nan_parts_excluded_with_the_mean_and_forged_progress_ignored(tmp, workd
         assert "Ignoring the progress record" in log, "the forged record was never seen"
         steps = [row["epoch_after"] for row in peer.records("local")]
         assert max(steps) == STEPS and all(b - a in (0, 1) for a, b in zip(steps, steps[1:], strict=False)), steps
+
+
+def test_an_inflated_weight_is_clamped_to_the_reported_samples(tmp, workdir, baseline):
+    """With the plain mean, a peer sending flipped gradients with 1000x the weight of its samples would reverse every
+    step (the mean is then ~ -g); clamped to twice its reported samples it only slows the honest peers down."""
+    run = run_swarm(tmp / "mean_inflate_weight", workdir, MEAN, "inflate_weight")
+    assert attacked_rounds(run) >= 2
+    assert run.byzantine is not None
+    byzantine_id = json.loads((run.byzantine.out / "ready.json").read_text())["peer_id"]
+    start, expected = baseline.done[0]["eval_loss_begin"], baseline.eval_losses()[0]
+    for peer, done in zip(run.honest, run.done, strict=True):
+        assert f"Clamping the weight of peer {byzantine_id} from" in peer.log(), f"{peer.name} never clamped"
+        assert done["global_step"] == STEPS
+        assert start - done["eval_loss"] > 0.2 * (start - expected), (done["eval_loss"], start, expected)

@@ -96,3 +96,22 @@ def test_engine_processes_exit_when_their_parent_is_killed(tmp_path):
         wait_for(lambda: not alive(tree), 5, f"orphans {alive(tree)} to exit")
     finally:
         process.kill()
+
+
+def test_a_signal_swallowed_by_the_engine_is_raised_again():
+    """hivemind catches BaseException around its averaging waits: the SIGTERM raised there must not be lost."""
+    import os
+    import time
+
+    swallowed = []
+    with engine.interrupt_on_signals():
+        engine.raise_if_interrupted()  # nothing pending: no-op
+        try:  # what hivemind 1.1.12 does while waiting for an averaging round
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException as e:
+            swallowed.append(e)
+        with pytest.raises(KeyboardInterrupt, match="received SIGTERM"):
+            engine.raise_if_interrupted()  # what SwarmOptimizer.step does after the engine's step
+    assert [type(e) for e in swallowed] == [KeyboardInterrupt]
+    engine.raise_if_interrupted()  # leaving interrupt_on_signals clears it

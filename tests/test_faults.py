@@ -25,16 +25,19 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
     )
     try:
         a = start_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
-        b = start_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
+        b = start_peer(tmp_path, "b", opt={"min_peers": 2}, poison_state=True, **common)  # serves NaN weights
         a.wait_step(3)
 
-        # a peer that joins late downloads the swarm's state first, then trains in step with the others
+        # a peer that joins late downloads the swarm's state first, then trains in step with the others; the state
+        # b serves (NaN weights, at the highest priority) is rejected, and a's is loaded instead
         c = start_peer(tmp_path, "c", **common)
         start = c.ready()["start_step"]
         assert start >= 3, "the late peer did not catch up with the swarm"
         a.wait_step(start)
         begin_c = c.records("begin")[0]
         assert begin_c["checksum"] == pytest.approx(a.params_at()[start]["checksum"], rel=1e-6)
+        b_id = b.ready()["peer_id"]
+        assert f"Rejected the state served by peer {b_id}: tensor 0 holds non-finite values" in c.log()
 
         # SIGKILL: every process of the dead peer (DHT, p2pd, averagers) goes away within seconds
         b_tree = process_tree(b.ready()["pid"])

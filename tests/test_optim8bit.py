@@ -198,7 +198,8 @@ def test_late_peer_downloads_the_8_bit_state_and_trains_in_step(tmp_path, workdi
     try:
         # the first peer trains slowly until the late one has caught up and taken a step with it: the swarm is still
         # training when the late peer joins, and does not step without it while it downloads the state
-        a = start_worker(tmp_path, "a", slow_sleep=1.0, slow_until=str(tmp_path / "b" / "stepped"), **common)
+        a = start_worker(tmp_path, "a", slow_sleep=1.0, slow_until=str(tmp_path / "b" / "stepped"),
+                         hold_until=str(tmp_path / "b" / "ready.json"), **common)  # fmt: skip
         a.wait_step(1, timeout=60)
         b = start_worker(tmp_path, "b", **common)
         start = b.ready(timeout=60)["start_step"]

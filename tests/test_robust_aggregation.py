@@ -13,7 +13,7 @@ import torch
 from hivemind.averaging.partition import TensorPartReducer
 
 from trahiv.averaging import Aggregation, RobustTensorPartReducer, centered_clip
-from trahiv.averaging.robust import weighted_median
+from trahiv.averaging.robust import reported_sample_caps, state_rejection_reason, weighted_median
 from trahiv.config import HivemindConfig
 from trahiv.swarm import trusted_epoch
 
@@ -135,3 +135,57 @@ def test_aggregation_config():
 )
 def test_trusted_epoch(epochs, local, limit):
     assert trusted_epoch(epochs, local) == limit
+
+
+def test_weights_are_clamped_to_their_caps(caplog):
+    parts, weights = honest_parts(3), [4.0, 4.0, 4000.0]
+    shapes = [p.shape for p in parts[0]]
+    with caplog.at_level(logging.WARNING, logger="trahiv.averaging"):
+        clamped = reduce(partial(RobustTensorPartReducer, shapes, 3, weight_caps=[9.0, 9.0, 9.0]), parts, weights)
+    expected = reduce(partial(RobustTensorPartReducer, shapes, 3), parts, [4.0, 4.0, 9.0])
+    unclamped = reduce(partial(RobustTensorPartReducer, shapes, 3), parts, weights)
+    for got, want, bad in zip(clamped[0], expected[0], unclamped[0], strict=True):
+        assert torch.allclose(got, want, atol=1e-6)
+        assert not torch.allclose(got, bad, atol=1e-3)
+    assert [r.message for r in caplog.records if "Clamping" in r.message] == [
+        "Clamping the weight of peer 2 from 4000 to 9: more than the samples it reported"
+    ]
+
+
+def test_reported_sample_caps():
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    a, b, c = (PeerID(bytes([18, 32, *([i] * 32)])) for i in (1, 2, 3))
+
+    def record(peer: PeerID, samples: float, rate: float, at: float) -> ValueWithExpiration:
+        value = dict(peer_id=peer.to_bytes(), samples_accumulated=samples, samples_per_second=rate, time=at, epoch=1)
+        return ValueWithExpiration(value, at + 60)
+
+    now = 1000.0
+    records = {
+        b"k1": record(a, 10, 2.0, now - 5),  # extrapolated: 10 + 2 x 5 = 20
+        b"k2": record(b, 30, 0.0, now - 1000),  # extrapolation is bounded: 30
+        b"k3": record(b, 0, 0.0, now),  # a forged low record for b does not lower its cap
+        b"k4": ValueWithExpiration({"peer_id": a.to_bytes(), "samples_accumulated": float("nan")}, now),
+        b"k5": ValueWithExpiration("garbage", now),
+    }
+    caps = reported_sample_caps(records, [a, b, c], now)
+    assert caps == {a: 2 * 20 + 1, b: 2 * 30 + 1, c: 2 * 20 + 1}  # c reported nothing: the smallest cap
+    assert reported_sample_caps({}, [a, b], now) == {}
+
+
+def test_state_rejection_reason():
+    good = [torch.zeros(2, 3), torch.ones(4), torch.tensor([1, 2])]
+    shapes = [(2, 3), (4,), (2,)]
+    assert state_rejection_reason({"epoch": 3}, good, shapes) is None
+    assert state_rejection_reason({"epoch": 3}, good, None) is None
+    nan = [good[0], torch.tensor([1.0, float("nan"), 0.0, 0.0]), good[2]]
+    assert state_rejection_reason({"epoch": 3}, nan, shapes) == "tensor 1 holds non-finite values"
+    assert state_rejection_reason({"epoch": 3}, good[:2], shapes) == "2 tensors where this model has 3"
+    assert state_rejection_reason({"epoch": 3}, [torch.zeros(3, 2), *good[1:]], shapes) == (
+        "tensor 0 has shape (3, 2), expected (2, 3)"
+    )
+    assert state_rejection_reason({"epoch": -1}, good, shapes) == "epoch -1 is not a non-negative integer"
+    assert state_rejection_reason({"epoch": True}, good, shapes) == "epoch True is not a non-negative integer"
+    assert state_rejection_reason([1, 2], good, shapes) == "metadata is a list, not a dict"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import torch
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -18,7 +22,7 @@ from hivemind.proto import runtime_pb2
 
 from trahiv.config import COMPRESSIONS
 
-__all__ = ["SIZE_ADAPTIVE_THRESHOLD", "FloatsOnly", "make_compression"]
+__all__ = ["SIZE_ADAPTIVE_THRESHOLD", "FastUniform8BitQuantization", "FloatsOnly", "make_compression"]
 
 # "Training Transformers Together": 8-bit for tensors with at least 2^16 elements, 16-bit below.
 SIZE_ADAPTIVE_THRESHOLD = 2**16
@@ -44,17 +48,40 @@ class FloatsOnly(CompressionBase):
         return self._codec(info.descriptor.dtype).estimate_compression_ratio(info)
 
 
+class FastUniform8BitQuantization(Uniform8BitQuantization):
+    """hivemind's uniform 8-bit quantization in the same wire format (any hivemind peer decodes it), encoded ~4x
+    faster on a CPU: the codebook holds the bin centres, and the two edge bins the mean of the values clamped into
+    them. hivemind averages the values of every bin, a scatter over all values that dominates its encoding time; for
+    the values inside the range (6 sigma wide) the centre is within half a bin of that average."""
+
+    def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        flat = tensor.detach().to(dtype=torch.float32).reshape(-1)
+        shift = flat.mean()
+        centered = flat - shift
+        scale = float(self.RANGE_IN_SIGMAS * centered.norm() / math.sqrt(max(flat.numel() - 1, 1)) / self.n_bins)
+        if not (math.isfinite(scale) and scale > 0):  # constant or non-finite tensors: hivemind's own encoder
+            return super().quantize(tensor, allow_inplace)
+        offset = self.n_bins // 2
+        quantized = torch.quantize_per_tensor(centered, scale, offset, torch.quint8).int_repr()
+        codebook = (torch.arange(self.n_bins, dtype=torch.float32) - offset) * scale + shift
+        for edge in (0, self.n_bins - 1):
+            clamped = flat[quantized == edge]
+            if clamped.numel():
+                codebook[edge] = clamped.mean()
+        return quantized.numpy().astype(self.indices_dtype, copy=False), codebook.numpy()
+
+
 def make_compression(name: str) -> CompressionBase:
     """The engine's compression for one of `trahiv.config.COMPRESSIONS` (integer tensors go uncompressed)."""
     factories = {
         "none": NoCompression,
         "fp16": Float16Compression,
         "scaled_fp16": ScaledFloat16Compression,
-        "uniform8bit": Uniform8BitQuantization,
+        "uniform8bit": FastUniform8BitQuantization,
         "quantile8bit": Quantile8BitQuantization,
         "blockwise8bit": BlockwiseQuantization,
         "size_adaptive": lambda: SizeAdaptiveCompression(
-            threshold=SIZE_ADAPTIVE_THRESHOLD, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+            threshold=SIZE_ADAPTIVE_THRESHOLD, less=Float16Compression(), greater_equal=FastUniform8BitQuantization()
         ),
     }
     if name not in factories:

@@ -12,9 +12,17 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-__all__ = ["COMPRESSIONS", "AggregationConfig", "DHTConfig", "HivemindConfig", "OptimizerConfig"]
+__all__ = [
+    "COMPRESSIONS",
+    "AggregationConfig",
+    "AuthConfig",
+    "DHTConfig",
+    "HivemindConfig",
+    "MetricsConfig",
+    "OptimizerConfig",
+]
 
 COMPRESSIONS = ("none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive")
 CompressionName = Literal[
@@ -93,6 +101,24 @@ class DHTConfig(_Section):
         return self.model_dump(exclude_none=True)
 
 
+class AuthConfig(_Section):
+    """Join a moderated swarm: the auth server signs this peer's access tokens (see `trahiv auth-server`)."""
+
+    server: str = Field(description="URL of the auth server, e.g. https://auth.example.org")
+    token: SecretStr = Field(description="the personal token a moderator issued to this user")
+    timeout: float = Field(10.0, gt=0, description="seconds to wait for the auth server")
+    experiment_public_key: str | None = Field(
+        None, description="pin the experiment's signing key (OpenSSH 'ssh-rsa ...'); default: the server's"
+    )
+
+    @field_validator("server")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", value):
+            raise ValueError(f"auth server {value!r} must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+
 class AggregationConfig(_Section):
     """How reducers combine peers' gradients. Parts with non-finite values or invalid weights are always excluded."""
 
@@ -140,8 +166,13 @@ class OptimizerConfig(_Section):
     aggregation: AggregationConfig = Field(
         default_factory=AggregationConfig, description="gradient aggregation: {'name', 'tau', 'n_iters'}"
     )
+    power_sgd_rank: int | None = Field(
+        None, ge=1, description="average gradients with PowerSGD of this rank (low-rank factors, error feedback)"
+    )
 
-    TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset({"min_peers", "min_peers_timeout", "aggregation"})
+    TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"min_peers", "min_peers_timeout", "aggregation", "power_sgd_rank"}
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -161,7 +192,31 @@ class OptimizerConfig(_Section):
             )
         if self.use_local_updates and (self.reuse_grad_buffers or self.delay_grad_averaging):
             raise ValueError("use_local_updates=True is incompatible with reuse_grad_buffers/delay_grad_averaging")
+        if self.power_sgd_rank is not None and self.use_local_updates:
+            raise ValueError("power_sgd_rank averages gradients: it cannot be combined with use_local_updates=True")
+        if self.power_sgd_rank is not None and self.aggregation.name != "mean":
+            raise ValueError(
+                f"power_sgd_rank cannot be combined with aggregation {self.aggregation.name!r}: PowerSGD averages "
+                "low-rank factors of the gradients, and a robust aggregate of the factors is not a robust aggregate of "
+                "the gradients. Use aggregation 'mean' (non-finite values are still excluded) or drop power_sgd_rank"
+            )
         return self
+
+
+class MetricsConfig(_Section):
+    """What this trainer publishes to the swarm's metrics (read by the auxiliary peer's dashboard and trackers)."""
+
+    publish: bool = Field(True, description="publish loss, samples and samples/s to the DHT at each collaborative step")
+    name: str | None = Field(
+        None, min_length=1, max_length=32, description="display name on the leaderboard (at most 32 printable chars)"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        if value is not None and not value.isprintable():
+            raise ValueError(f"name {value!r} must contain printable characters only")
+        return value
 
 
 class HivemindConfig(_Section):
@@ -169,6 +224,10 @@ class HivemindConfig(_Section):
 
     dht: DHTConfig = Field(default_factory=DHTConfig, description="hivemind.DHT keyword arguments")
     opt: OptimizerConfig = Field(description="hivemind.Optimizer keyword arguments (run_id, target_batch_size, ...)")
+    auth: AuthConfig | None = Field(None, description="join a moderated swarm: {'server', 'token'}")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="what this peer publishes to the swarm's metrics: {'name', ...}"
+    )
 
     @classmethod
     def load(cls, value: HivemindConfig | dict | str | Path) -> HivemindConfig:

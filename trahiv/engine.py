@@ -81,7 +81,9 @@ def interrupt_on_signals():
         return
 
     def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+        global _pending_interrupt
+        _pending_interrupt = f"received {signal.Signals(signum).name}"
+        raise KeyboardInterrupt(_pending_interrupt)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -89,6 +91,23 @@ def interrupt_on_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        clear_interrupt()
+
+
+_pending_interrupt: str | None = None
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl+C / SIGTERM received under `interrupt_on_signals`, again: hivemind 1.1.12
+    catches BaseException around its averaging waits ("Averaging gradients failed with KeyboardInterrupt ...
+    Proceeding with local gradients"), so a signal arriving there would otherwise be swallowed and training go on."""
+    if _pending_interrupt is not None:
+        raise KeyboardInterrupt(_pending_interrupt)
+
+
+def clear_interrupt() -> None:
+    global _pending_interrupt
+    _pending_interrupt = None
 
 
 # 2. Orphans --------------------------------------------------------------------------------------------------------
@@ -168,11 +187,11 @@ def _extract_quantized(self, serialized_tensor) -> torch.Tensor:
     codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
     quantized = np.frombuffer(buffer, offset=8 + codebook_bytes, dtype=self.indices_dtype)
     _expect(quantized.size, size, type(self).__name__)
-    indices = torch.from_numpy(quantized.astype(np.int64)).reshape(size)
-    if indices.numel() and int(indices.max()) >= codebook_size:
-        raise ValueError(f"quantized index {int(indices.max())} outside a codebook of {codebook_size}")
-    codebook_t = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
-    return codebook_t[indices].requires_grad_(serialized_tensor.requires_grad)
+    if quantized.size and int(quantized.max()) >= codebook_size:
+        raise ValueError(f"quantized index {int(quantized.max())} outside a codebook of {codebook_size}")
+    values = np.take(codebook, quantized).reshape(size)  # ~10x faster than torch indexing with int64 indices
+    result = torch.from_numpy(values).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return result.requires_grad_(serialized_tensor.requires_grad)
 
 
 def _extract_blockwise(self, serialized_tensor) -> torch.Tensor:

@@ -209,7 +209,7 @@ def estimate(shape: ModelShape, options: MemoryOptions) -> MemoryEstimate:
     needs_master = options.precision != "fp32" or options.offload_optimizer
     optimizer = MemoryBreakdown(
         master_weights=trainable * _MASTER_BYTES if needs_master else 0,
-        optimizer_states=trainable * _OPTIMIZER_STATE_BYTES[options.optimizer_bits],
+        optimizer_states=_optimizer_state_bytes(shape, options, trainable),
     )
     device = MemoryBreakdown(
         weights=(base + adapters) * width,
@@ -221,6 +221,16 @@ def estimate(shape: ModelShape, options: MemoryOptions) -> MemoryEstimate:
     else:
         gpu, cpu = _merge(device, optimizer), MemoryBreakdown()
     return MemoryEstimate(shape, options, base + adapters, trainable, gpu, cpu)
+
+
+def _optimizer_state_bytes(shape: ModelShape, options: MemoryOptions, trainable: int) -> int:
+    """Adam/LAMB statistics. With an 8-bit optimizer, trahiv keeps the embeddings' statistics in 32 bits (as the
+    bitsandbytes authors recommend for stability), so they cost 8 bytes per parameter whatever optimizer_bits is;
+    LoRA freezes the embeddings, which then have no statistics at all."""
+    if options.optimizer_bits == 32 or options.lora_rank is not None:
+        return trainable * _OPTIMIZER_STATE_BYTES[options.optimizer_bits]
+    embeddings = shape.n_params - (shape.layer_params or 0)
+    return (trainable - embeddings) * _OPTIMIZER_STATE_BYTES[8] + embeddings * _OPTIMIZER_STATE_BYTES[32]
 
 
 def _merge(a: MemoryBreakdown, b: MemoryBreakdown) -> MemoryBreakdown:

@@ -19,14 +19,19 @@ from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from trahiv import engine
+from trahiv.auth import AuthGate, PeerAuth, gated
 from trahiv.averaging import Aggregation, RobustGradientAverager, RobustTrainingStateAverager
+from trahiv.averaging.partial import Deadlines, ReportingGradientAverager, ReportingMixin, ReportingStateAverager
+from trahiv.averaging.power_sgd import RobustPowerSGDGradientAverager
 from trahiv.compression import make_compression
 from trahiv.config import DHTConfig, HivemindConfig
+from trahiv.metrics import MetricsPublisher, MetricsRecord
+from trahiv.revert import RevertFollower, RevertWatcher
 
 engine.apply()
 logger = logging.getLogger("trahiv.swarm")
 
-__all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "start_dht"]
+__all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "newest_served_step", "start_dht"]
 
 MODEL_RECORD_TTL = 600.0  # seconds a peer's model fingerprint stays in the DHT without refresh
 UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
@@ -41,6 +46,17 @@ def show_swarm_events() -> None:
         root.addHandler(handler)
         root.setLevel(logging.INFO)
         root.propagate = False
+
+
+def newest_served_step(dht: hivemind.DHT, run_id: str) -> int:
+    """The highest collaborative step another peer offers its state at: trainers and auxiliary peers declare the
+    step of the state they serve as their state-sharing priority under `{run_id}_state_averager.all_averagers`."""
+    found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    own = dht.peer_id.to_bytes()
+    steps = [getattr(entry, "value", None) for peer, entry in entries.items() if peer != own]
+    valid = [int(s) for s in steps if isinstance(s, int | float) and not isinstance(s, bool) and 0 <= s < 2**62]
+    return max(valid, default=0)
 
 
 class SwarmJoinError(RuntimeError):
@@ -59,6 +75,20 @@ def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
                 "running there, that the address and /p2p/ ID were copied whole, and that the port is reachable."
             ) from e
         raise SwarmJoinError(f"could not start the DHT (host_maddrs={config.host_maddrs}): {e}") from e
+
+
+def _start_auth(config: HivemindConfig) -> PeerAuth | None:
+    """With `auth` configured: this peer's first access token (AuthError with the server's reason if refused)."""
+    if config.auth is None:
+        return None
+    return PeerAuth.start(
+        config.auth.server,
+        config.auth.token.get_secret_value(),
+        config.opt.run_id,
+        identity_path=config.dht.identity_path,
+        timeout=config.auth.timeout,
+        experiment_public_key=config.auth.experiment_public_key,
+    )
 
 
 def join_addresses(dht: hivemind.DHT) -> list[str]:
@@ -101,6 +131,7 @@ class SwarmProgressTracker(ProgressTracker):
         self.swarm_samples_per_second = 0.0
         self.ignored_records: dict[str, int] = {}  # peer -> the unconfirmed step its record reports
         self.unconfirmed_epoch = 0
+        self.peer_filter: Callable[[], set[str] | None] | None = None  # after a revert: the peers that applied it
         self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
         super().__init__(*args, **kwargs)
 
@@ -162,6 +193,10 @@ class SwarmProgressTracker(ProgressTracker):
     ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
         """Drop records more than one step ahead of this peer unless a quorum of peers reports that far (one forged
         record must not move the swarm); remember the highest dropped epoch in `unconfirmed_epoch`."""
+        allowed = self.peer_filter() if self.peer_filter is not None else None
+        if allowed is not None:  # a revert's grace period: peers that did not apply it yet train in the old state
+            self.ignored_records, self.unconfirmed_epoch = {}, 0
+            return {k: v for k, v in records.items() if PeerID(v[0].peer_id).to_base58() in allowed}
         limit = trusted_epoch([record.epoch for record, _ in records.values()], self.local_progress.epoch)
         trusted, dropped = {}, {}
         for key, (record, expiration) in records.items():
@@ -194,17 +229,24 @@ class SwarmOptimizer(hivemind.Optimizer):
     can report its true number of samples, and the samples this peer contributed are counted."""
 
     tracker: SwarmProgressTracker
+    state_averager_cls: type[RobustTrainingStateAverager] = ReportingStateAverager  # tests swap in a faulty one
 
-    def __init__(self, *, dht: hivemind.DHT, **kwargs: Any):
+    def __init__(self, *, dht: hivemind.DHT, state_averager_cls: type | None = None, **kwargs: Any):
+        if state_averager_cls is not None:  # e.g. with the auth gate (trahiv.auth.gate)
+            self.state_averager_cls = state_averager_cls
         kwargs["client_mode"] = dht.client_mode  # 1.1.12 reads `client_mode` inverted: pass the DHT's explicitly
         self.pending_batch_size: int | None = None
         self.samples_contributed = 0
+        self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
         self._next_unconfirmed_check = time.monotonic() + UNCONFIRMED_CHECK_PERIOD
         super().__init__(dht=dht, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
-        """hivemind's state averager, but parameters with non-finite values are excluded from averaging rounds."""
-        return RobustTrainingStateAverager(
+        """hivemind's state averager, but parameters with non-finite values are excluded from averaging rounds and a
+        downloaded state is checked before it is loaded."""
+        if issubclass(self.state_averager_cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
+            kwargs.setdefault("deadlines", Deadlines())
+        return self.state_averager_cls(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -220,9 +262,22 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    def averaging_rounds(self) -> dict[str, int]:
+        """Averaging rounds (gradients and state) that were complete, partial or failed, as this peer saw them."""
+        counts = {"complete": 0, "partial": 0, "failed": 0}
+        for averager in (self.state_averager, getattr(self, "grad_averager", None)):
+            if isinstance(averager, ReportingMixin):
+                averager.round_reports()
+                for status, count in averager.round_counts.items():
+                    counts[status] += count
+        return counts
+
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's rule, plus: a lone record far ahead (ignored by the tracker) is checked by downloading the
-        swarm's state, at most once per UNCONFIRMED_CHECK_PERIOD; what the peers serve decides the step."""
+        swarm's state, at most once per UNCONFIRMED_CHECK_PERIOD; what the peers serve decides the step.
+        Never during the grace period after a revert: trahiv.revert downloads only from peers that applied it."""
+        if self.revert is not None and self.revert.in_grace():
+            return False
         if super()._should_load_state_from_peers():
             return True
         if self.tracker.unconfirmed_epoch <= self.local_epoch + 1 or time.monotonic() < self._next_unconfirmed_check:
@@ -260,7 +315,12 @@ class SwarmOptimizer(hivemind.Optimizer):
     def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
         batch_size = batch_size if batch_size is not None else self.pending_batch_size
         self.pending_batch_size = None
-        return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        try:
+            if self.revert is not None and self.revert.maybe_apply(self):
+                return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
+            return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        finally:
+            engine.raise_if_interrupted()  # a Ctrl+C / SIGTERM that hivemind swallowed while averaging
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Any) -> bool:
         accumulated = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
@@ -272,16 +332,33 @@ class SwarmOptimizer(hivemind.Optimizer):
 class Swarm:
     """One peer's membership in a swarm: its DHT, its collaborative optimizer, its metrics."""
 
-    grad_averager_cls: type[RobustGradientAverager] = RobustGradientAverager  # tests swap in a faulty one
+    grad_averager_cls: type[RobustGradientAverager] = ReportingGradientAverager  # tests swap in a faulty one
 
     def __init__(self, config: HivemindConfig, *, announce: Callable[[str], None] = print):
         show_swarm_events()
         self.config = config
-        self.dht = start_dht(config.dht)
+        self.auth = _start_auth(config)  # before the DHT: a refused peer stops here, with the server's reason
+        try:
+            self.dht = start_dht(config.dht, **(self.auth.dht_kwargs() if self.auth is not None else {}))
+        except BaseException:
+            if self.auth is not None:
+                self.auth.close()
+            raise
+        if self.auth is not None:
+            self.auth.attach(self.dht, self._contribution)
+        self.revert_watcher: RevertWatcher | None = None
+        if self.auth is not None:  # moderators' revert orders, signed by the experiment key
+            client = self.auth.client
+            self.revert_watcher = RevertWatcher(self.dht, self.run_id, self.auth.experiment_public_key, client).start()
         self.optimizer: SwarmOptimizer | None = None
         self.started_at = time.monotonic()
         self._model: dict[str, Any] | None = None
         self._model_published_at = -float("inf")
+        self.metrics_publisher: MetricsPublisher | None = None
+        if config.metrics.publish:  # validators first: this peer's DHT node then also rejects bad records
+            name = config.metrics.name or (self.auth.username[:32] if self.auth is not None else None)  # leaderboard
+            self.metrics_publisher = MetricsPublisher(self.dht, self.run_id, peer_id=self.peer_id, name=name)
+        self._samples_at_last_record = 0
         announce(f"To join the training, use initial_peers = {join_addresses(self.dht)}")
 
     @property
@@ -362,12 +439,26 @@ class Swarm:
         # matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)
         request_timeout = min(3.0, opt.matchmaking_time / 2)
         kwargs["averager_opts"] = {"request_timeout": request_timeout, **opt.averager_opts}
+        gate = AuthGate(self.run_id, self.auth.experiment_public_key) if self.auth is not None else None
+        if gate is not None:  # matchmaking, all-reduce and state download serve only peers with valid tokens
+            kwargs["state_averager_cls"] = gated(SwarmOptimizer.state_averager_cls, gate)
         if not opt.use_local_updates:
             kwargs["grad_averager_factory"] = partial(
-                self.grad_averager_cls,
+                gated(self.grad_averager_cls, gate),
                 request_timeout=request_timeout,
                 aggregation=Aggregation(**opt.aggregation.model_dump()),
+                progress_key=f"{opt.run_id}_progress",  # weights are clamped to the samples each peer reported
             )
+            if issubclass(self.grad_averager_cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
+                kwargs["grad_averager_factory"] = partial(kwargs["grad_averager_factory"], deadlines=Deadlines())
+            if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
+                kwargs["grad_averager_factory"] = partial(
+                    gated(RobustPowerSGDGradientAverager, gate),
+                    averager_rank=opt.power_sgd_rank,
+                    request_timeout=request_timeout,
+                    progress_key=f"{opt.run_id}_progress",
+                    deadlines=Deadlines(),
+                )
         # peers must notice that the swarm moved on while the averaging group is still forming
         refresh = min(10.0, opt.matchmaking_time / 2)
         kwargs["tracker_opts"] = {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
@@ -384,6 +475,8 @@ class Swarm:
                 load_state_compression=make_compression(opt.load_state_compression),
                 **kwargs,
             )
+        if self.revert_watcher is not None:
+            RevertFollower(self.revert_watcher).attach(self.optimizer)
         return self.optimizer
 
     def catch_up(self) -> bool:
@@ -392,14 +485,31 @@ class Swarm:
             raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         tracker = self.optimizer.tracker
         others = [peer for peer in {**tracker.active_peers, **tracker.ignored_records} if peer != self.peer_id]
-        if not others and tracker.global_epoch <= self.optimizer.local_epoch:
+        served = newest_served_step(self.dht, self.run_id)  # e.g. an auxiliary peer restarted from a checkpoint
+        if not others and max(tracker.global_epoch, served) <= self.optimizer.local_epoch:
             return False
         logger.info(
-            f"Swarm {self.run_id!r} is at step {tracker.global_epoch} with {len(others)} other peer(s); "
-            "downloading its state before training"
+            f"Swarm {self.run_id!r} is at step {max(tracker.global_epoch, served)} with {len(others)} other "
+            "training peer(s); downloading its state before training"
         )
         self.optimizer.load_state_from_peers()
         return True
+
+    def publish_metrics(self, loss: float | None) -> MetricsRecord | None:
+        """Publish this peer's record for the collaborative step it just reached (in the background); `loss` is the
+        mean over its local steps since the previous record."""
+        if self.metrics_publisher is None or self.optimizer is None:
+            return None
+        opt, samples = self.optimizer, self.optimizer.samples_contributed
+        step_samples, self._samples_at_last_record = samples - self._samples_at_last_record, samples
+        return self.metrics_publisher.publish(
+            step=opt.local_epoch,
+            loss=loss,
+            step_samples=step_samples,
+            samples=samples,
+            samples_per_second=opt.tracker.performance_ema.samples_per_second,
+            seconds=time.monotonic() - self.started_at,
+        )
 
     def metrics(self) -> dict[str, float]:
         if self.optimizer is None:
@@ -410,9 +520,16 @@ class Swarm:
             "swarm_peers": max(tracker.global_progress.num_peers, 1),
             "swarm_samples_per_second": round(tracker.swarm_samples_per_second, 3),
             "samples_contributed": self.optimizer.samples_contributed,
+            **{f"averaging_rounds_{status}": count for status, count in self.optimizer.averaging_rounds().items()},
         }
 
     # --- leaving --------------------------------------------------------------------------------------------
+
+    def _contribution(self) -> tuple[int, int]:
+        """(samples contributed, collaborative step) reported to the auth server when the access token is renewed."""
+        if self.optimizer is None:
+            return 0, 0
+        return self.optimizer.samples_contributed, self.optimizer.local_epoch
 
     def engine_processes(self) -> list[Any]:
         """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
@@ -424,6 +541,8 @@ class Swarm:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Leave the swarm: say goodbye, stop the averagers, the DHT and p2pd; never wait more than `timeout`."""
         processes = self.engine_processes()
+        if self.metrics_publisher is not None:  # the last step's record must reach the swarm before the DHT stops
+            self.metrics_publisher.flush(timeout=min(2.0, timeout / 2))
 
         def close() -> None:
             try:
@@ -434,6 +553,10 @@ class Swarm:
             except Exception as e:  # leaving must not raise: the processes are killed below anyway
                 logger.warning(f"Error while leaving the swarm: {e!r}")
 
+        if self.revert_watcher is not None:
+            self.revert_watcher.close()
+        if self.auth is not None:  # no renewal while the DHT stops
+            self.auth.close()
         closer = threading.Thread(target=close, name="trahiv-shutdown", daemon=True)
         closer.start()
         closer.join(timeout)

@@ -119,9 +119,12 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
         trainer, step = self.trainer, self.trainer.swarm.optimizer.local_epoch
         trainer.local_steps_since_log += 1
         trainer.local_steps_total += 1
+        trainer.local_steps_since_record += 1
         last, self.last_step = self.last_step, step
         state.global_step = step
         trainer.swarm.publish_model()
+        if step > last:
+            trainer.publish_metrics()
 
         def crossed(every: int) -> bool:
             return every > 0 and step // every > last // every
@@ -149,7 +152,8 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.swarm = None
         self.collaborative_max_steps = 0
-        self.local_steps_since_log = self.local_steps_total = 0
+        self.local_steps_since_log = self.local_steps_total = self.local_steps_since_record = 0
+        self._loss_since_record: torch.Tensor | None = None  # summed on the device: no sync per local step
         config: HivemindConfig | None = getattr(self.args, "hivemind", None)
         if config is None:
             return
@@ -162,6 +166,10 @@ class Trainer(transformers.Trainer):
         from trahiv.swarm import Swarm, model_fingerprint  # starts the engine only for swarm peers
 
         self.swarm = swarm = Swarm(config)
+        if swarm.metrics_publisher is not None:
+            from trahiv.metrics import device_kind
+
+            swarm.metrics_publisher.device = device_kind(self.args.device)
         try:
             swarm.check_model(model_fingerprint(self.model.named_parameters()))  # type: ignore[union-attr]
         except BaseException:
@@ -305,6 +313,22 @@ class Trainer(transformers.Trainer):
         return batch_samples, num_items
 
     # --- logging ----------------------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)
+        if self.swarm is not None:  # per micro-batch: their sum over a local step is the loss the Trainer logs
+            total = self._loss_since_record
+            self._loss_since_record = loss.detach() if total is None else total + loss.detach()
+        return loss
+
+    def publish_metrics(self) -> None:
+        """Publish this peer's metrics record for the collaborative step just reached (see trahiv.metrics)."""
+        if self.swarm is None:
+            return
+        total, steps = self._loss_since_record, self.local_steps_since_record
+        loss = float(total) / steps if total is not None and steps > 0 else None
+        self._loss_since_record, self.local_steps_since_record = None, 0
+        self.swarm.publish_metrics(loss)
 
     def _maybe_log_save_evaluate(self, tr_loss, *args: Any, **kwargs: Any):
         if self.swarm is not None and self.control.should_log and self.local_steps_since_log > 0:

@@ -18,19 +18,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 logger = logging.getLogger("trahiv.averaging")
+WEIGHT_SLACK = 2.0  # a gradient round's weight may exceed the samples a peer reported by this factor (staleness)
+MAX_EXTRAPOLATION_S = 60.0  # reported samples are extrapolated at the reported rate for at most this long
+CAPS_FETCH_TIMEOUT_S = 2.0
+MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
 
 __all__ = [
     "Aggregation",
@@ -39,6 +50,8 @@ __all__ = [
     "RobustGradientAverager",
     "RobustTensorPartReducer",
     "RobustTrainingStateAverager",
+    "CheckedStateDownload",
+    "state_rejection_reason",
     "aggregate",
     "centered_clip",
     "rejection_reason",
@@ -147,9 +160,12 @@ class RobustTensorPartReducer(TensorPartReducer):
         *,
         aggregation: Aggregation = MEAN,
         sender_names: Sequence[str] | None = None,
+        weight_caps: Sequence[float] | None = None,
     ):
         self.aggregation = aggregation
         self.sender_names = list(sender_names) if sender_names is not None else [str(i) for i in range(num_senders)]
+        self.weight_caps = list(weight_caps) if weight_caps is not None else [math.inf] * num_senders
+        self.clamped_senders: set[int] = set()
         self.received: list[tuple[torch.Tensor, float]] = []  # usable copies of the current part
         self.excluded_senders: dict[int, str] = {}  # sender index -> why its copies were excluded (this round)
         super().__init__(part_shapes, num_senders)
@@ -193,6 +209,15 @@ class RobustTensorPartReducer(TensorPartReducer):
 
     def _receive(self, sender_index: int, part: torch.Tensor, weight: float) -> None:
         reason = rejection_reason(part, weight, self.part_shapes[self.current_part_index])
+        cap = self.weight_caps[sender_index]
+        if reason is None and weight > cap:
+            if sender_index not in self.clamped_senders:
+                self.clamped_senders.add(sender_index)
+                logger.warning(
+                    f"Clamping the weight of peer {self.sender_names[sender_index]} from {weight:g} to {cap:g}: "
+                    "more than the samples it reported"
+                )
+            weight = cap
         if reason is None:
             self.received.append((part, float(weight)))
         elif sender_index not in self.excluded_senders:
@@ -233,14 +258,18 @@ def _retire(reducer: TensorPartReducer) -> None:
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce runner with a RobustTensorPartReducer for the part this peer reduces."""
 
-    def __init__(self, *, aggregation: Aggregation = MEAN, **kwargs: Any):
+    def __init__(
+        self, *, aggregation: Aggregation = MEAN, weight_caps: dict[PeerID, float] | None = None, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         _retire(self.tensor_part_reducer)
+        caps = weight_caps or {}
         self.tensor_part_reducer: TensorPartReducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             aggregation=aggregation,
             sender_names=[peer.to_base58() for peer in self.sender_peer_ids],
+            weight_caps=[caps.get(peer, math.inf) for peer in self.sender_peer_ids],
         )
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
@@ -265,11 +294,12 @@ async def run_robust_allreduce_(
     tensors: Sequence[torch.Tensor],
     group_info: Any,
     group_id: bytes | None = None,
+    runner_cls: type[RobustAllReduceRunner] | None = None,
     **kwargs: Any,
 ) -> None:
-    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner."""
+    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner (or `runner_cls`)."""
     group_id = group_info.group_id if group_id is None else group_id
-    runner = RobustAllReduceRunner(
+    runner = (runner_cls or RobustAllReduceRunner)(
         aggregation=aggregation,
         p2p=averager._p2p,
         servicer_type=type(averager),
@@ -292,15 +322,58 @@ async def run_robust_allreduce_(
         averager._state_updated.set()
 
 
-class RobustGradientAverager(GradientAverager):
-    """hivemind's GradientAverager whose all-reduce excludes garbage and aggregates with `aggregation`."""
+def reported_sample_caps(records: Any, peers: Sequence[PeerID], now: float) -> dict[PeerID, float]:
+    """The most each peer of a group may weigh in a gradient round, from the swarm's progress records (hivemind's
+    `{run_id}_progress`: samples accumulated, samples/s, time): WEIGHT_SLACK x (reported samples, extrapolated at the
+    reported rate for at most MAX_EXTRAPOLATION_S) + 1. A peer without a record gets the smallest cap of the others;
+    several records naming one peer count as the largest (a forged record cannot lower another peer's cap)."""
+    reported: dict[bytes, float] = {}
+    entries = records.items() if isinstance(records, dict) else ()
+    for _, entry in entries:
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if not isinstance(value, dict) or not isinstance(value.get("peer_id"), bytes):
+            continue
+        fields = [value.get(name) for name in ("samples_accumulated", "samples_per_second", "time")]
+        if not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in fields
+        ):
+            continue
+        samples, rate, at = (float(x) for x in fields)  # type: ignore[arg-type]
+        elapsed = min(max(now - at, 0.0), MAX_EXTRAPOLATION_S)
+        estimate = samples + rate * elapsed
+        reported[value["peer_id"]] = max(reported.get(value["peer_id"], 0.0), estimate)
+    caps = {peer: WEIGHT_SLACK * reported[peer.to_bytes()] + 1 for peer in peers if peer.to_bytes() in reported}
+    if not caps:
+        return {}
+    smallest = min(caps.values())
+    return {peer: caps.get(peer, smallest) for peer in peers}
 
-    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
+
+class RobustGradientAverager(GradientAverager):
+    """hivemind's GradientAverager whose all-reduce excludes garbage and aggregates with `aggregation`. Given the
+    swarm's `progress_key`, each sender's weight (its accumulated samples) is clamped to what it reported there."""
+
+    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, progress_key: str | None = None, **kwargs: Any):
         self.aggregation = aggregation  # set before the averager process forks
+        self.progress_key = progress_key
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
-        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, **kwargs)
+        caps = await self._weight_caps(group_info.peer_ids)
+        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, weight_caps=caps, **kwargs)
+
+    async def _weight_caps(self, peers: Sequence[PeerID]) -> dict[PeerID, float] | None:
+        if self.progress_key is None:
+            return None
+        try:
+            found = await asyncio.wait_for(
+                self.dht.get(self.progress_key, latest=True, return_future=True),
+                timeout=CAPS_FETCH_TIMEOUT_S,
+            )
+        except Exception as e:  # a slow DHT must not stall the round: it runs unclamped, and says so
+            logger.warning(f"Could not read the swarm's progress to check averaging weights ({e!r})")
+            return None
+        return reported_sample_caps(found.value if found is not None else {}, peers, get_dht_time())
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -308,15 +381,118 @@ class RobustGradientAverager(GradientAverager):
         return GradientAverager._get_handle_name(namespace, method_name)
 
 
-class RobustTrainingStateAverager(TrainingStateAverager):
-    """hivemind's TrainingStateAverager (parameters, optimizer statistics) whose all-reduce excludes garbage."""
+def state_rejection_reason(
+    metadata: Any, tensors: Sequence[torch.Tensor], expected: Sequence[tuple] | None
+) -> str | None:
+    """Why a downloaded state (hivemind's `(metadata, tensors)`) must not be loaded, or None if it may be."""
+    if not isinstance(metadata, dict):
+        return f"metadata is a {type(metadata).__name__}, not a dict"
+    epoch = metadata.get("epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        return f"epoch {epoch!r} is not a non-negative integer"
+    if expected is not None and len(tensors) != len(expected):
+        return f"{len(tensors)} tensors where this model has {len(expected)}"
+    for index, tensor in enumerate(tensors):
+        if expected is not None and tuple(tensor.shape) != tuple(expected[index]):
+            return f"tensor {index} has shape {tuple(tensor.shape)}, expected {tuple(expected[index])}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"tensor {index} holds non-finite values"
+    return None
+
+
+class CheckedStateDownload(DecentralizedAverager):
+    """A state download (`load_state_from_peers`) that checks what each peer served before anyone loads it, and asks
+    the next peer (by priority) when a state fails the checks: one broken or malicious peer cannot hand out NaN
+    weights or a model of another shape. Subclasses say what to expect in `_expected_state_shapes`."""
+
+    def _expected_state_shapes(self) -> list[tuple] | None:
+        return None  # no expectation on shapes: only the generic checks
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        if not wait:
+            raise ValueError("trahiv's checked state download is synchronous: call it with wait=True")
+        expected = self._expected_state_shapes()
+        rejected: list[str] = []
+        for _ in range(MAX_STATE_SOURCES):
+            future: MPFuture = MPFuture()
+            self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future, skip=rejected)))
+            loaded = future.result(timeout=timeout)
+            if loaded is None:
+                return None
+            metadata, tensors, peer = loaded
+            reason = state_rejection_reason(metadata, tensors, expected)
+            if reason is None:
+                return metadata, tensors
+            logger.warning(f"Rejected the state served by peer {peer}: {reason}")
+            rejected.append(peer)
+        logger.warning(f"No usable state among the {len(rejected)} peers asked: keeping the local state")
+        return None
+
+    async def _load_state_from_peers(  # type: ignore[override]
+        self, future: MPFuture, timeout: float | None = None, skip: Sequence[str] = ()
+    ) -> None:
+        """In the averager process: download the state of the highest-priority peer not in `skip`; the result is
+        `(metadata, tensors, peer_id)` or None. Decoding goes through hivemind's tensor deserializer (no pickle)."""
+        chunk_timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = self.dht.get(key, latest=True)
+            declared = found.value if found is not None and isinstance(found.value, dict) else {}
+            priority = {
+                PeerID(peer): (float(info.value), random.random())
+                for peer, info in declared.items()
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
+            }
+            for peer in sorted(priority, key=priority.__getitem__, reverse=True):
+                if peer == self.peer_id or str(peer) in skip:
+                    continue
+                try:
+                    state = await self._download_state_from(peer, chunk_timeout)
+                except Exception as e:
+                    logger.warning(f"Failed to download the state from {peer}: {e!r}")
+                    continue
+                if state is not None:
+                    future.set_result((*state, str(peer)))
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state_from(self, peer: PeerID, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[Any] = []
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata else None
+
+
+class RobustTrainingStateAverager(TrainingStateAverager, CheckedStateDownload):
+    """hivemind's TrainingStateAverager (parameters, optimizer statistics) whose all-reduce excludes garbage and whose
+    state download is checked against this model's parameters and optimizer statistics."""
 
     def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
         self.aggregation = aggregation
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
-        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, **kwargs)
+        caps = {peer: 1.0 for peer in group_info.peer_ids}  # every peer weighs 1 in state averaging (hivemind's)
+        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, weight_caps=caps, **kwargs)
+
+    def _expected_state_shapes(self) -> list[tuple] | None:
+        with torch.no_grad(), self.lock_averaged_tensors:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            _, optimizer_tensors = dump_optimizer_state(self.optimizer)
+            return [tuple(t.shape) for t in (*params, *self.extra_tensors, *optimizer_tensors)]
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:

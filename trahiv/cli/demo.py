@@ -26,6 +26,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-id", default="trahiv_demo", help="swarm name")
     parser.add_argument("--workdir", default=None, help="where to write data, logs and outputs (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
+    parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (0: any free one)")
+    parser.add_argument("--no-dashboard", action="store_true", help="run no auxiliary peer (and so no dashboard)")
     parser.add_argument("--role", choices=["swarm", "trainer"], default="swarm", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=8, help=argparse.SUPPRESS)
@@ -47,7 +49,9 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trahiv-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer on 127.0.0.1, working in {workdir}", flush=True)
+    aux_peer = "" if args.no_dashboard else " + 1 auxiliary peer (dashboard)"
+    print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer{aux_peer} on 127.0.0.1, working in {workdir}",
+          flush=True)  # fmt: skip
     prepare_workdir(workdir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "trahiv.cli.main"]
@@ -64,6 +68,8 @@ def run_swarm(args: argparse.Namespace) -> int:
         )
         initial_peers = _wait_for_addresses(addresses_file, processes[0])
         print(f"Bootstrap peer is up. To join the training, use initial_peers = {initial_peers}", flush=True)
+        aux = None if args.no_dashboard else _start_aux(command, env, workdir, args, initial_peers)
+        processes += [aux] if aux else []
         trainers = []
         for index in range(args.peers):
             batch_size = args.batch_sizes[index % len(args.batch_sizes)]
@@ -76,6 +82,9 @@ def run_swarm(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             trainers.append(subprocess.Popen(trainer_args, env=env, stderr=log))
             processes.append(trainers[-1])
+        if aux is not None:
+            url = _wait_for_dashboard(workdir / "aux.log", aux)
+            print(f"Dashboard (live while the demo runs): {url}", flush=True)
         codes = [_wait(p, deadline) for p in trainers]
     finally:
         for process in reversed(processes):
@@ -92,6 +101,32 @@ def _wait_for_addresses(path: Path, process: subprocess.Popen) -> list[str]:
             raise RuntimeError(f"the bootstrap peer exited with code {process.returncode}")
         time.sleep(0.2)
     raise RuntimeError(f"the bootstrap peer did not start within {PEER_START_TIMEOUT:.0f} s")
+
+
+def _start_aux(
+    command: list[str], env: dict[str, str], workdir: Path, args: argparse.Namespace, initial_peers: list[str]
+) -> subprocess.Popen:
+    """An auxiliary peer with the dashboard: the trainers' metrics go to workdir/aux (SQLite store, TensorBoard)."""
+    config = {"opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size},
+              "dht": {"initial_peers": initial_peers, "nat_port_map": False}}  # fmt: skip
+    aux_args = [*command, "aux", "--config", json.dumps(config), "--output-dir", str(workdir / "aux"),
+                "--max-steps", str(args.max_steps), "--dashboard-port", str(args.dashboard_port),
+                "--dashboard-refresh", "2"]  # fmt: skip
+    log = open(workdir / "aux.log", "w")
+    return subprocess.Popen(aux_args, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for_dashboard(log: Path, process: subprocess.Popen) -> str:
+    """The URL the auxiliary peer prints once its dashboard serves (`Dashboard: http://...`)."""
+    deadline = time.monotonic() + PEER_START_TIMEOUT
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("Dashboard: "):
+                return line.removeprefix("Dashboard: ").strip()
+        if process.poll() is not None:
+            raise RuntimeError(f"the auxiliary peer exited with code {process.returncode}; see {log}")
+        time.sleep(0.2)
+    raise RuntimeError(f"the auxiliary peer's dashboard did not start within {PEER_START_TIMEOUT:.0f} s; see {log}")
 
 
 def _wait(process: subprocess.Popen, deadline: float) -> int:
@@ -165,6 +200,7 @@ def run_trainer(args: argparse.Namespace) -> int:
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
         hivemind_config={
             "dht": {"initial_peers": args.initial_peers, "nat_port_map": False},
+            "metrics": {"name": f"demo peer {index}"},  # on the dashboard's leaderboard
             "opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size,
                     "matchmaking_time": args.matchmaking_time, "averaging_timeout": 30.0},
         },

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -17,6 +18,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-nat-port-map", dest="nat_port_map", action="store_false", help="do not ask the gateway")
     parser.add_argument("--addresses-file", default=None, help="also write the join addresses there (JSON)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    parser.add_argument("--auth-server", default=None, help="moderated swarm: URL of its `trahiv auth-server`")
+    parser.add_argument("--run-id", default=None, help="moderated swarm: the run_id the access token is for")
+    parser.add_argument("--auth-token-file", default=None, help="moderated swarm: file holding this peer's user token")
     parser.set_defaults(run=run)
 
 
@@ -34,7 +38,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.identity_path:
         _ensure_identity(args.identity_path)
-    dht = start_dht(config)
+    auth = _start_auth(args)
+    try:
+        dht = start_dht(config, **(auth.dht_kwargs() if auth is not None else {}))
+        if auth is not None:
+            auth.attach(dht)
+    except BaseException:
+        if auth is not None:
+            auth.close()
+        raise
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
@@ -50,11 +62,30 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         crashed = not dht.is_alive()
+        if auth is not None:
+            auth.close()
         dht.shutdown()
     if crashed:
         print("The DHT process stopped unexpectedly", file=sys.stderr)
         return 1
     return 0
+
+
+def _start_auth(args: argparse.Namespace) -> Any:
+    """With --auth-server: this peer's access token, so that the swarm's authenticated peers accept it."""
+    if args.auth_server is None:
+        return None
+    if not args.run_id or not args.auth_token_file:
+        raise ValueError("--auth-server needs --run-id and --auth-token-file (the user token a moderator issued)")
+    from pathlib import Path
+
+    from trahiv.auth import AuthError, PeerAuth
+
+    token = Path(args.auth_token_file).read_text().strip()
+    try:
+        return PeerAuth.start(args.auth_server, token, args.run_id, identity_path=args.identity_path)
+    except AuthError as e:  # refused or unreachable: a clear message, no traceback
+        raise ValueError(str(e)) from None
 
 
 def _ensure_identity(path: str) -> None:

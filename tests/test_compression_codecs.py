@@ -1,0 +1,48 @@
+"""trahiv's faster uniform 8-bit encoder: hivemind's wire format and error (speed: benchmarks/averaging_round.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+from trahiv import engine
+from trahiv.compression import FastUniform8BitQuantization, make_compression
+
+engine.apply()
+
+
+def samples() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "gaussian": torch.randn(2**20, generator=gen),
+        "heavy_tailed": torch.randn(2**20, generator=gen) / torch.rand(2**20, generator=gen).clamp_min(1e-3),
+        "lora_shaped": torch.randn(4096, 16, generator=gen) * 1e-2 + 3e-3,
+        "constant": torch.full((1000,), 0.5),
+    }
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "heavy_tailed", "lora_shaped", "constant"])
+def test_fast_uniform8bit_matches_hivemind_error_and_format(kind):
+    tensor = samples()[kind]
+    info = CompressionInfo.from_tensor(tensor, key=0)
+    ours, theirs = (
+        FastUniform8BitQuantization().compress(tensor, info),
+        Uniform8BitQuantization().compress(tensor, info),
+    )
+    assert ours.compression == runtime_pb2.UNIFORM_8BIT and len(ours.buffer) == len(theirs.buffer)
+    assert int(np.frombuffer(ours.buffer, count=1, dtype=np.int64)[0]) == 256
+    ours_error = float((deserialize_torch_tensor(ours) - tensor).norm())
+    theirs_error = float((deserialize_torch_tensor(theirs) - tensor).norm())
+    assert ours_error <= 1.02 * theirs_error + 1e-7, (ours_error, theirs_error)
+
+
+@pytest.mark.parametrize("name", ["uniform8bit", "size_adaptive"])
+def test_named_8bit_compressions_use_the_fast_encoder(name):
+    tensor = torch.randn(2**16)  # at the size-adaptive threshold: 8-bit
+    message = make_compression(name).compress(tensor, CompressionInfo.from_tensor(tensor, key=0))
+    assert message.compression == runtime_pb2.UNIFORM_8BIT
+    centres = np.frombuffer(message.buffer, offset=8, count=256, dtype=np.float32)[1:-1]
+    assert np.allclose(np.diff(centres), np.diff(centres)[0], rtol=1e-3)  # bin centres: evenly spaced

@@ -1,0 +1,127 @@
+"""Settings and `trahiv aux` flags of the auxiliary peer's state keeper (`trahiv.aux.keeper`): checkpoints of the
+swarm's state, serving it to joining peers, restarting a stopped swarm, Hub upload. Light to import (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, model_validator
+
+from trahiv.config import _Section
+
+if TYPE_CHECKING:
+    from trahiv.aux.peer import AuxPeer
+
+__all__ = ["StateKeeperConfig", "add_arguments", "attach", "load_model"]
+
+
+class StateKeeperConfig(_Section):
+    """What the auxiliary peer does with the swarm's state."""
+
+    model: str = Field(description="the swarm's model: a local folder or a cached Hub name (local files only)")
+    model_class: str = Field("AutoModelForCausalLM", description="transformers class that loads `model`")
+    checkpoint_dir: str = Field(description="where checkpoint-<step>/ folders go")
+    checkpoint_every: int = Field(20, ge=1, description="save a checkpoint every this many collaborative steps")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the newest this many checkpoints")
+    resume: bool = Field(True, description="at start, load the newest checkpoint and serve it to joining peers")
+    poll_interval: float = Field(5.0, gt=0, description="seconds between looks at the swarm's newest state")
+    load_state_timeout: float = Field(600.0, gt=0, description="bound on one state download")
+    push_to_hub: bool = Field(False, description="upload every checkpoint to the Hugging Face Hub")
+    hub_repo: str | None = Field(None, description="Hub model repo id (user/name) for push_to_hub")
+    hub_token: str | None = Field(None, description="Hub token (default: HF_TOKEN or the cached login)")
+    hub_private: bool | None = Field(None, description="create the Hub repo as private")
+
+    @model_validator(mode="after")
+    def _hub(self) -> StateKeeperConfig:
+        if self.push_to_hub and not self.hub_repo:
+            raise ValueError("push_to_hub needs hub_repo (the Hub model repo id, e.g. 'my-org/my-model')")
+        return self
+
+
+def load_model(name: str, model_class: str = "AutoModelForCausalLM") -> Any:
+    """The swarm's model on the CPU from a local folder or the Hub cache (never downloads). A folder with only a
+    config gives freshly initialised weights: the keeper replaces them with the swarm's."""
+    import transformers
+
+    cls = getattr(transformers, model_class, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"model_class {model_class!r} is not a transformers model class (e.g. AutoModelForCausalLM)")
+    folder = Path(name).expanduser()
+    if name.startswith(("/", ".", "~")) and not folder.is_dir():
+        raise ValueError(f"model folder {name!r} does not exist")
+    if not folder.is_dir():  # a Hub name: its cached snapshot (transformers would still ask the network for parts)
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(name, local_files_only=True))
+        except Exception as e:
+            raise ValueError(
+                f"model {name!r} is neither a folder nor a Hub model in the local cache (`hf download {name}` "
+                f"fetches it): {e!r}"
+            ) from None
+    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    try:
+        if folder.is_dir() and not has_weights:
+            config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+            return cls.from_config(config)
+        return cls.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load model {name!r} from {folder}: {e}") from None
+
+
+# --- `trahiv aux` flags -------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoints and state (with --model)")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="the swarm's model (local folder or cached Hub name): save checkpoints and serve state",
+    )
+    group.add_argument("--model-class", default="AutoModelForCausalLM", help="transformers class loading --model")
+    group.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
+    group.add_argument("--checkpoint-every", type=int, default=20, help="collaborative steps between checkpoints")
+    group.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest this many checkpoints")
+    group.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="do not serve the newest checkpoint at start (by default a stopped swarm restarts from it)",
+    )
+    group.add_argument("--state-poll", type=float, default=5.0, help="seconds between looks at the swarm's step")
+    group.add_argument("--push-to-hub", action="store_true", help="upload each checkpoint to the Hugging Face Hub")
+    group.add_argument("--hub-repo", default=None, help="Hub model repo id for --push-to-hub (user/name)")
+    group.add_argument("--hub-private", action="store_true", default=None, help="create the Hub repo as private")
+
+
+def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
+    if args.model is None:
+        for flag, value in (("--push-to-hub", args.push_to_hub), ("--checkpoint-dir", args.checkpoint_dir)):
+            if value:
+                raise ValueError(f"{flag} needs --model (the swarm's model)")
+        return
+    if args.push_to_hub and not args.hub_repo:
+        raise ValueError("--push-to-hub needs --hub-repo (the Hub model repo id, e.g. my-org/my-model)")
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep-checkpoints", args.keep_checkpoints)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.state_poll <= 0:
+        raise ValueError(f"--state-poll must be > 0 seconds, got {args.state_poll}")
+    config = StateKeeperConfig(
+        model=args.model,
+        model_class=args.model_class,
+        checkpoint_dir=args.checkpoint_dir or str(Path(peer.output_dir) / "checkpoints"),
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        poll_interval=args.state_poll,
+        push_to_hub=args.push_to_hub,
+        hub_repo=args.hub_repo,
+        hub_private=args.hub_private,
+    )
+    from trahiv.aux.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
+
+    peer.add_service(StateKeeper(config))

@@ -1,0 +1,113 @@
+"""`trahiv aux`: an auxiliary peer (CPU only, no gradients): the swarm's stable entry point, which gathers the
+trainers' metrics into a store and logs them to experiment trackers.
+
+Other duties add their own flags and attach to the peer through EXTENSIONS: modules with
+`add_arguments(parser)` and `attach(peer: AuxPeer, args)` (the latter calls `peer.add_service(...)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+EXTENSIONS: tuple[str, ...] = (  # each adds flags and attaches a service
+    "trahiv.aux.dashboard_service",
+    "trahiv.aux.state",
+)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    from trahiv.aux.trackers import TRACKERS
+
+    parser = commands.add_parser(
+        "aux", help="run an auxiliary peer: entry point, metrics store, experiment trackers (CPU only)"
+    )
+    parser.add_argument(
+        "--config", required=True, help="the trainers' hivemind_config (JSON/YAML file or JSON string): run_id, dht"
+    )
+    parser.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of running peers (overrides)")
+    parser.add_argument("--host-maddrs", nargs="+", default=None, help="addresses to listen on (overrides)")
+    parser.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses to announce (overrides)")
+    parser.add_argument("--identity-path", default=None, help="key file fixing the peer ID (created if missing)")
+    parser.add_argument("--no-nat-port-map", dest="nat_port_map", action="store_false", default=None,
+                        help="do not ask the gateway for a port mapping")  # fmt: skip
+    parser.add_argument("--output-dir", default="aux_output", help="where the store and tracker logs go")
+    parser.add_argument("--store", default=None, help="SQLAlchemy database URL (default: sqlite in --output-dir)")
+    parser.add_argument("--report-to", nargs="+", default=["tensorboard"], choices=TRACKERS,
+                        help="experiment trackers (wandb and trackio need their packages)")  # fmt: skip
+    parser.add_argument("--tracker-project", default=None, help="W&B / trackio project (default: the run_id)")
+    parser.add_argument("--max-steps", type=int, default=None, help="the run's max_steps (for the dashboard's ETA)")
+    parser.add_argument("--period", type=float, default=2.0, help="seconds between reads of the swarm's metrics")
+    parser.add_argument("--addresses-file", default=None, help="also write the join addresses there (JSON)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    for name in EXTENSIONS:
+        importlib.import_module(name).add_arguments(parser)  # type: ignore[attr-defined]
+    parser.set_defaults(run=run)
+
+
+def load_config(args: argparse.Namespace):
+    """The hivemind_config with the command line's DHT overrides applied (validated like the trainers')."""
+    from trahiv.config import DHTConfig, HivemindConfig
+
+    config = HivemindConfig.load(args.config)
+    overrides = {
+        "initial_peers": args.initial_peers,
+        "host_maddrs": args.host_maddrs,
+        "announce_maddrs": args.announce_maddrs,
+        "identity_path": args.identity_path,
+        "nat_port_map": args.nat_port_map,
+    }
+    dht = {**config.dht.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        config.dht = DHTConfig.model_validate(dht)
+    except Exception as e:
+        raise ValueError(f"invalid DHT options: {e}") from None
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from trahiv.aux.peer import AuxPeer
+    from trahiv.cli.dht import _ensure_identity
+    from trahiv.engine import interrupt_on_signals
+
+    config = load_config(args)
+    if config.dht.identity_path:
+        _ensure_identity(config.dht.identity_path)
+    peer = AuxPeer(
+        config,
+        output_dir=Path(args.output_dir),
+        store_url=args.store,
+        report_to=args.report_to,
+        period=args.period,
+        max_steps=args.max_steps,
+        tracker_project=args.tracker_project,
+        announce=lambda line: print(line, flush=True),
+    )
+    for name in EXTENSIONS:
+        importlib.import_module(name).attach(peer, args)  # type: ignore[attr-defined]
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    crashed = False
+    with interrupt_on_signals():  # Ctrl+C / SIGTERM: leave cleanly through `finally`
+        try:
+            peer.start()
+            if args.addresses_file:
+                Path(args.addresses_file).write_text(json.dumps(peer.initial_peers))
+            store = peer.store.url if peer.store is not None else peer.store_url  # (password hidden)
+            print(f"Collecting metrics of run {peer.run_id!r} into {store}", file=sys.stderr, flush=True)
+            while deadline is None or time.monotonic() < deadline:
+                if not peer.alive():
+                    crashed = True
+                    break
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("Stopping the auxiliary peer", file=sys.stderr)
+        finally:
+            peer.stop()
+    if crashed:
+        print("The DHT process stopped unexpectedly", file=sys.stderr)
+        return 1
+    return 0

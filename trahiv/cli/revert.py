@@ -1,0 +1,136 @@
+"""`trahiv revert`: a moderator returns a moderated swarm to a checkpoint (e.g. one the auxiliary peer saved).
+
+It joins the swarm as a peer (hivemind_config with `auth`: the moderator's user token), serves the checkpoint's state,
+asks the auth server (with the moderator token) for a revert order naming this peer, the checkpoint's step and the
+digest of its weights, publishes the signed order in the DHT, and keeps serving for `--serve-for` seconds, while the
+trainers download the state and continue from it (see trahiv/revert.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("revert", help="moderators: return the swarm to a checkpoint (needs the auth server)")
+    parser.add_argument("--config", required=True, help="hivemind_config (JSON string or file) with dht, opt, auth")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (trahiv aux format: checkpoint-N)")
+    parser.add_argument("--admin-token-file", required=True, help="file holding the auth server's moderator token")
+    parser.add_argument("--reason", default="", help="why (kept with the order; at most 500 characters)")
+    parser.add_argument("--serve-for", type=float, default=300.0, help="seconds to serve the checkpoint (default 300)")
+    parser.add_argument("--order-file", default=None, help="also write the signed order (JSON) there")
+    parser.set_defaults(run=run)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(*_: Any) -> None:
+    raise _Terminated
+
+
+def post_revert(server: str, run_id: str, admin_token: str, body: dict[str, Any], timeout: float = 30.0) -> Any:
+    """POST the order request; the server's signed order, or ValueError with the server's reason."""
+    request = urllib.request.Request(
+        f"{server.rstrip('/')}/api/experiments/{run_id}/revert", data=json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        try:
+            detail = json.loads(e.read()).get("detail", e.reason)
+        except Exception:
+            detail = e.reason
+        raise ValueError(f"the auth server refused the revert order (HTTP {e.code}): {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"could not reach the auth server at {server}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from trahiv.config import HivemindConfig
+
+    if not 0 < args.serve_for <= 7 * 86400:
+        raise ValueError(f"--serve-for {args.serve_for}: expected 0 < seconds <= 604800")
+    if len(args.reason) > 500:
+        raise ValueError("--reason: at most 500 characters")
+    config = HivemindConfig.load(args.config)
+    if config.auth is None:
+        raise ValueError("reverting needs a moderated swarm: give hivemind_config an 'auth' section (server, token)")
+    admin_token = Path(args.admin_token_file).read_text().strip()
+
+    from trahiv.aux.checkpoints import load_checkpoint
+
+    checkpoint = load_checkpoint(args.checkpoint)  # ValueError if it is not one
+    run_id = config.opt.run_id
+    if checkpoint.run_id and checkpoint.run_id != run_id:
+        raise ValueError(f"{args.checkpoint} is a checkpoint of run {checkpoint.run_id!r}, not {run_id!r}")
+    state = checkpoint.swarm_state()
+
+    from trahiv import engine
+    from trahiv.auth import AuthError, AuthGate, gated
+    from trahiv.auth.revert import SignedRevertOrder, verify_order
+    from trahiv.aux.keeper import StateMirror
+    from trahiv.revert import RevertWatcher, parameters_digest
+    from trahiv.swarm import _start_auth, start_dht
+
+    digest = parameters_digest(state.parameters)
+    try:
+        auth = _start_auth(config)
+    except AuthError as e:
+        raise ValueError(str(e)) from None
+    assert auth is not None
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    dht = mirror = None
+    try:
+        dht = start_dht(config.dht, **auth.dht_kwargs())
+        auth.attach(dht)
+        with engine.children_ignore_sigint():
+            mirror = gated(StateMirror, AuthGate(run_id, auth.experiment_public_key))(dht=dht, run_id=run_id)
+        mirror.serve(state)
+        peer_id = dht.peer_id.to_base58()
+        print(f"Serving {args.checkpoint} (collaborative step {state.step}) as peer {peer_id}", file=sys.stderr)
+        _wait_declared(dht, run_id, state.step)
+        body = {"step": state.step, "source": peer_id, "parameters_sha256": digest, "reason": args.reason}
+        signed = SignedRevertOrder.model_validate(post_revert(config.auth.server, run_id, admin_token, body))
+        order = verify_order(signed, auth.experiment_public_key, run_id)  # the server signs with the key peers trust
+        RevertWatcher(dht, run_id, auth.experiment_public_key).publish(signed)
+        if args.order_file:
+            Path(args.order_file).write_text(signed.model_dump_json())
+        print(f"Revert order #{order.revert_id}: the swarm returns to step {order.step}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + args.serve_for
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    except (_Terminated, KeyboardInterrupt):
+        print("Stopping", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if mirror is not None:
+            mirror.shutdown()
+        auth.close()
+        if dht is not None:
+            dht.shutdown()
+    return 0
+
+
+def _wait_declared(dht: Any, run_id: str, step: int, timeout: float = 60.0) -> None:
+    """Until peers can see that this one serves `step` (its state declaration is in the DHT)."""
+    own, deadline = dht.peer_id.to_bytes(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        if own in entries and getattr(entries[own], "value", None) == step:
+            return
+        time.sleep(0.5)
+    raise ValueError(f"the checkpoint's state declaration did not reach the DHT in {timeout:.0f} s")

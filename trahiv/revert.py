@@ -1,0 +1,456 @@
+"""Following a moderator's revert order: the whole swarm returns to a checkpoint's weights, optimizer state and step.
+
+1. The moderator runs `trahiv revert --checkpoint DIR` (trahiv/cli/revert.py): a peer that serves the checkpoint's
+   state (the auxiliary peer's format, `trahiv.aux.checkpoints`) and asks the auth server for a revert order naming
+   that peer, the checkpoint's step and the digest of its trainable tensors. The server signs the order with the
+   experiment key (`trahiv.auth.revert`).
+2. Every peer of a moderated swarm runs a `RevertWatcher`: it reads orders from the DHT (`{run_id}_revert`, every
+   `dht_period` seconds) and from the auth server (every `server_period` seconds), keeps only those signed by the
+   experiment key for this run (forged or unsigned ones are logged and ignored), and republishes in the DHT an order
+   it got from the server, so that peers learn of it within seconds.
+3. A trainer applies a new order once, between two local steps (`RevertFollower`, called by SwarmOptimizer.step):
+   it downloads the state from the order's source only, checks it (shapes, finite values, step, digest), loads
+   parameters and optimizer state, sets its collaborative step and learning-rate schedule to the checkpoint's, and
+   drops the gradients it accumulated, then announces that it applied the order (`{run_id}_reverted`). For `grace`
+   seconds afterwards it counts only the progress of peers that applied it too, and downloads state only from them
+   (to catch up with one more than a step ahead): peers still training in the old state must not pull it back.
+
+Orders that already existed when a peer started (and are older than `grace`) are not applied by it: a joining peer
+downloads the swarm's current state instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.optim.state_averager import load_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
+
+from trahiv.auth.client import AuthClient, AuthError
+from trahiv.auth.revert import RevertOrder, RevertOrderError, SignedRevertOrder, verify_order
+from trahiv.averaging.robust import state_rejection_reason
+
+if TYPE_CHECKING:
+    from trahiv.aux.checkpoints import SwarmState
+    from trahiv.swarm import SwarmOptimizer
+
+logger = logging.getLogger("trahiv.revert")
+
+__all__ = [
+    "GRACE_SECONDS",
+    "RevertFollower",
+    "RevertWatcher",
+    "fetch_server_order",
+    "parameters_digest",
+    "revert_key",
+    "reverted_key",
+    "state_from_trainer_checkpoint",
+]
+
+GRACE_SECONDS = 60.0  # after a revert: trust no progress record far ahead, download no state
+ORDER_TTL = 7 * 86400.0  # seconds an order stays in the DHT
+RETRY_SECONDS = 3.0  # between attempts to download the checkpoint's state
+MAX_DOWNLOADS = 4  # states rejected before giving up (until the next attempt)
+
+
+def revert_key(run_id: str) -> str:
+    """The DHT key of a run's revert orders (subkey: a digest of the signed order, value: its JSON bytes)."""
+    return f"{run_id}_revert"
+
+
+def reverted_key(run_id: str) -> str:
+    """The DHT key where peers announce the newest order they applied (subkey: peer ID, value: revert_id)."""
+    return f"{run_id}_reverted"
+
+
+def parameters_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """SHA-256 over the dtypes, shapes and bytes of the trainable tensors (in the swarm's order)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{flat.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fetch_server_order(client: AuthClient) -> SignedRevertOrder | None:
+    """The newest revert order of the client's run on the auth server (AuthError if unreachable or malformed)."""
+    reply = client._request("GET", "/revert")
+    value = reply.get("revert")
+    if value is None:
+        return None
+    try:
+        return SignedRevertOrder.model_validate(value)
+    except ValueError as e:
+        raise AuthError(f"the auth server at {client.server} answered a malformed revert order: {e}") from None
+
+
+class RevertWatcher:
+    """The newest valid revert order of a run, from the DHT and the auth server, polled in a thread."""
+
+    def __init__(
+        self,
+        dht: Any,
+        run_id: str,
+        experiment_public_key: bytes,
+        client: AuthClient | None = None,
+        *,
+        dht_period: float = 1.0,
+        server_period: float = 5.0,
+        grace: float = GRACE_SECONDS,
+    ):
+        self.dht, self.run_id, self.experiment_public_key, self.client = dht, run_id, experiment_public_key, client
+        self.dht_period, self.server_period, self.grace = dht_period, server_period, grace
+        self.baseline_id = 0  # orders up to this one predate this peer: not applied
+        self.ignored = 0  # invalid orders seen (forged, unsigned, another run's)
+        self._newest: SignedRevertOrder | None = None
+        self._lock = threading.Lock()
+        self._in_dht: set[str] = set()
+        self.reverted: dict[str, int] = {}  # peer ID -> the newest order it applied (announced in the DHT)
+        self._reported: set[str] = set()
+        self._next_server_poll = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def newest(self) -> SignedRevertOrder | None:
+        with self._lock:
+            return self._newest
+
+    def start(self) -> RevertWatcher:
+        try:
+            self.poll()
+        except Exception as e:  # the DHT may not answer yet: the thread tries again
+            logger.debug(f"Could not check for revert orders: {e!r}")
+        newest = self.newest
+        if newest is not None and newest.order.issued_at < time.time() - self.grace:
+            self.baseline_id = newest.order.revert_id
+        self._thread = threading.Thread(target=self._loop, name="trahiv-revert-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def pending(self, applied_id: int) -> SignedRevertOrder | None:
+        """The newest order if it is newer than `applied_id` and than the orders that predate this peer."""
+        newest = self.newest
+        if newest is None or newest.order.revert_id <= max(applied_id, self.baseline_id):
+            return None
+        return newest
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- polling ----------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.dht_period):
+            try:
+                self.poll()
+            except Exception as e:  # the DHT may be shutting down: never kill the thread silently
+                logger.debug(f"Could not check for revert orders: {e!r}")
+
+    def poll(self) -> None:
+        self._poll_dht()
+        if self.client is not None and time.monotonic() >= self._next_server_poll:
+            self._next_server_poll = time.monotonic() + self.server_period
+            try:
+                signed = fetch_server_order(self.client)
+            except AuthError as e:
+                logger.debug(f"Could not fetch revert orders: {e}")
+                return
+            if signed is not None and self.consider(signed, "the auth server") and _subkey(signed) not in self._in_dht:
+                self.publish(signed)
+
+    def _poll_dht(self) -> None:
+        found = self.dht.get(reverted_key(self.run_id), latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        values = {str(peer): getattr(entry, "value", None) for peer, entry in entries.items()}
+        self.reverted = {peer: v for peer, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+        found = self.dht.get(revert_key(self.run_id), latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        seen = set()
+        for subkey, entry in entries.items():
+            value = getattr(entry, "value", None)
+            try:
+                signed = SignedRevertOrder.from_bytes(value)
+            except RevertOrderError as e:
+                self._ignore(str(subkey), str(e))
+                continue
+            seen.add(_subkey(signed))
+            self.consider(signed, "the DHT", report_as=str(subkey))
+        self._in_dht = seen
+
+    def consider(self, signed: SignedRevertOrder, origin: str, report_as: str | None = None) -> bool:
+        """Keep `signed` if it is valid and newer than the newest order known; return True if it was kept."""
+        try:
+            order = verify_order(signed, self.experiment_public_key, self.run_id)
+        except RevertOrderError as e:
+            self._ignore(report_as or _subkey(signed), f"{e} (from {origin})")
+            return False
+        with self._lock:
+            if self._newest is not None and self._newest.order.revert_id >= order.revert_id:
+                return False
+            self._newest = signed
+        logger.info(f"Revert order #{order.revert_id} from {origin}: back to step {order.step} ({order.reason!r})")
+        return True
+
+    def _ignore(self, key: str, reason: str) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            self.ignored += 1
+            logger.warning(f"Ignoring a revert order: {reason}")
+
+    def publish(self, signed: SignedRevertOrder) -> None:
+        """Store `signed` in the DHT (in the background), where peers find it within `dht_period`."""
+        self.dht.store(
+            revert_key(self.run_id),
+            subkey=_subkey(signed),
+            value=signed.to_bytes(),
+            expiration_time=get_dht_time() + ORDER_TTL,
+            return_future=True,
+        )
+
+    def announce(self, revert_id: int) -> None:
+        """Tell the swarm that this peer applied order `revert_id` (peers in their grace period trust only those)."""
+        self.reverted[self.dht.peer_id.to_base58()] = revert_id
+        self.dht.store(
+            reverted_key(self.run_id),
+            subkey=self.dht.peer_id.to_base58(),
+            value=revert_id,
+            expiration_time=get_dht_time() + self.grace + 60.0,
+            return_future=True,
+        )
+
+
+def _subkey(signed: SignedRevertOrder) -> str:
+    """Content-addressed: a forged order cannot overwrite a genuine one under the same subkey."""
+    return hashlib.sha256(signed.to_bytes()).hexdigest()[:32]
+
+
+# --- applying an order ----------------------------------------------------------------------------------------------
+
+
+class RevertFollower:
+    """A trainer's side: apply each new order once (`maybe_apply`, between local steps), then a grace period during
+    which this peer trains only with peers that applied it too, and catches up only with them."""
+
+    def __init__(self, watcher: RevertWatcher, grace: float | None = None):
+        self.watcher = watcher
+        self.grace = watcher.grace if grace is None else grace
+        self.applied_id = watcher.baseline_id
+        self.applied: list[RevertOrder] = []
+        self.grace_until = 0.0
+        self._retry_at = 0.0
+
+    def attach(self, opt: SwarmOptimizer) -> RevertFollower:
+        opt.revert = self
+        opt.tracker.peer_filter = self.allowed_peers
+        return self
+
+    def in_grace(self) -> bool:
+        return time.monotonic() < self.grace_until
+
+    def allowed_peers(self) -> set[str] | None:
+        """During the grace period: the peers that applied the same order (this one included); None otherwise."""
+        if not self.in_grace():
+            return None
+        own = self.watcher.dht.peer_id.to_base58()
+        return {peer for peer, revert_id in self.watcher.reverted.items() if revert_id == self.applied_id} | {own}
+
+    def maybe_apply(self, opt: SwarmOptimizer) -> bool:
+        """Apply the pending order, or catch up with peers that applied it; True if the state was replaced (the
+        caller drops its gradients)."""
+        if time.monotonic() < self._retry_at:
+            return False
+        signed = self.watcher.pending(self.applied_id)
+        if signed is not None:
+            return self._apply(opt, signed.order)
+        if self.in_grace() and opt.tracker.global_epoch > opt.local_epoch + 1:
+            return self._catch_up(opt)
+        return False
+
+    def _apply(self, opt: SwarmOptimizer, order: RevertOrder) -> bool:
+        _leave_rounds(opt)
+
+        def accept(peer: str, priority: Any) -> bool:
+            return peer == order.source if order.source else priority == order.step
+
+        what = f"revert order #{order.revert_id}"
+        loaded = download_state(opt, accept, step=order.step, digest=order.parameters_sha256, what=what)
+        if loaded is None:
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            logger.warning(f"Revert order #{order.revert_id}: the checkpoint's state is not available yet; retrying")
+            return False
+        self.applied_id, self.grace_until = order.revert_id, time.monotonic() + self.grace
+        self.applied.append(order)
+        load_state(opt, *loaded, step=order.step)
+        self.watcher.announce(order.revert_id)
+        logger.info(
+            f"Reverted to collaborative step {order.step} (order #{order.revert_id}); for {self.grace:.0f} s, this "
+            "peer trains only with peers that reverted too"
+        )
+        return True
+
+    def _catch_up(self, opt: SwarmOptimizer) -> bool:
+        """A peer that applied the order is ahead by more than a step: download its state (only theirs)."""
+        allowed, local = self.allowed_peers() or set(), opt.local_epoch
+        _leave_rounds(opt)
+
+        def accept(peer: str, priority: Any) -> bool:
+            return peer in allowed and isinstance(priority, int | float) and priority > local
+
+        what = f"catching up after revert order #{self.applied_id}"
+        loaded = download_state(opt, accept, step=None, digest="", what=what)
+        if loaded is None:
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return False
+        metadata, tensors = loaded
+        load_state(opt, metadata, tensors, step=int(metadata["epoch"]))
+        logger.info(f"Caught up with the peers that applied revert order #{self.applied_id}: step {opt.local_epoch}")
+        return True
+
+
+def _leave_rounds(opt: SwarmOptimizer) -> None:
+    """Leave the averaging rounds scheduled with the old state (one already running is let finish, briefly), and
+    finish delayed updates."""
+    for name in ("scheduled_grads", "scheduled_state"):
+        control = getattr(opt, name)
+        if control is not None and not control.done():
+            if control.triggered:
+                try:
+                    control.result(timeout=10.0)
+                except Exception as e:
+                    logger.debug(f"An averaging round ended with {e!r}")
+            else:
+                control.cancel()
+        setattr(opt, name, None)
+    opt.state_averager.step(wait_for_delayed_updates=True)
+
+
+def download_state(
+    opt: SwarmOptimizer, accept: Callable[[str, Any], bool], *, step: int | None, digest: str, what: str
+) -> tuple[dict, list[torch.Tensor]] | None:
+    """A state served by a peer that `accept(peer_id, declared_priority)`, checked (shapes, finite values, and the
+    `step` and trainable tensors' `digest` if given)."""
+    averager = opt.state_averager
+    timeout = min(float(opt.load_state_timeout), 120.0)
+    expected = averager._expected_state_shapes()
+    num_parameters = sum(len(group["params"]) for group in averager.optimizer.param_groups)
+    skip: set[str] = set()
+    for _ in range(MAX_DOWNLOADS):
+        found = opt.dht.get(f"{opt.run_id}_state_averager.all_averagers", latest=True)
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        allowed = 0
+        for peer, entry in declared.items():
+            peer_id = str(PeerID(peer))
+            if accept(peer_id, getattr(entry, "value", None)):
+                allowed += peer_id not in skip
+            else:
+                skip.add(peer_id)
+        if not allowed:
+            return None
+        future: MPFuture = MPFuture()
+        request = dict(timeout=timeout, future=future, skip=sorted(skip))
+        averager._outer_pipe.send(("_load_state_from_peers", [], request))
+        loaded = future.result(timeout=timeout)
+        if loaded is None:
+            return None
+        metadata, tensors, peer = loaded
+        reason = state_rejection_reason(metadata, tensors, expected)
+        if reason is None and step is not None and metadata.get("epoch") != step:
+            reason = f"it is the state of step {metadata.get('epoch')}, not of step {step}"
+        if reason is None and digest and parameters_digest(tensors[:num_parameters]) != digest:
+            reason = "its trainable tensors differ from the checkpoint's (SHA-256 mismatch)"
+        if reason is None and not isinstance(metadata.get("optimizer_metadata"), list):
+            reason = "it has no optimizer state"
+        if reason is None:
+            return metadata, tensors
+        logger.warning(f"{what}: rejected the state served by peer {peer}: {reason}")
+        skip.add(peer)
+    return None
+
+
+def load_state(opt: SwarmOptimizer, metadata: dict, tensors: list[torch.Tensor], *, step: int) -> None:
+    """Replace parameters, optimizer state, step and LR schedule by the downloaded ones; drop accumulated gradients.
+    (hivemind's own download refuses a state older than the local one, and its schedule only steps forward.)"""
+    averager = opt.state_averager
+    parameters = tuple(p for group in averager.optimizer.param_groups for p in group["params"])
+    main = tuple(chain(parameters, averager.extra_tensors))
+    with opt.tracker.pause_updates():
+        with torch.no_grad(), averager.lock_averaged_tensors:
+            load_optimizer_state(averager.optimizer, metadata["optimizer_metadata"], tensors[len(main) :])
+            for local, loaded in zip(main, tensors[: len(main)], strict=True):
+                local.copy_(loaded)
+        if averager.offload_optimizer:
+            averager._apply_optimizer_parameters_()
+        if not averager.reuse_tensors:
+            averager._load_local_tensors_into_averager_()
+        averager.local_epoch = step
+        reset_scheduler(averager.scheduler, step)
+        if opt.use_gradient_averaging:
+            opt.grad_averager.reset_accumulated_grads_()
+        tracker = opt.tracker
+        tracker.global_progress.epoch, tracker.global_progress.samples_accumulated = step, 0
+        tracker.report_local_progress(step, 0)
+        tracker.fetched_global_progress_this_epoch.clear()
+    opt._should_check_synchronization_on_update = False
+    if not opt.client_mode:
+        averager.state_sharing_priority = step
+        if opt.use_gradient_averaging:
+            opt.grad_averager.state_sharing_priority = step
+    opt.tracker.refresh_now()
+
+
+def reset_scheduler(scheduler: Any, step: int) -> None:
+    """Set an LR scheduler to where hivemind's would be at collaborative step `step` (it only ever steps forward)."""
+    if scheduler is None:
+        return
+    if not hasattr(scheduler, "last_epoch") or not hasattr(scheduler, "_step_count"):
+        raise TypeError(f"cannot rewind LR scheduler {type(scheduler).__name__}: it has no last_epoch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
+        scheduler.last_epoch, scheduler._step_count = step - 1, step
+        scheduler.step()
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+
+def state_from_trainer_checkpoint(path: str | Path) -> tuple[SwarmState, torch.nn.Module]:
+    """The swarm state a trahiv Trainer saved in `path` (output_dir/checkpoint-N: model, optimizer.pt with
+    hivemind's local_epoch), and the model; `trahiv.aux.checkpoints.save_checkpoint` turns it into a checkpoint."""
+    import transformers
+    from hivemind.utils.nested import nested_flatten
+
+    from trahiv.aux.checkpoints import SwarmState, swarm_parameters
+
+    path = Path(path)
+    if not (path / "optimizer.pt").is_file():
+        raise ValueError(f"{path} is not a Trainer checkpoint (no optimizer.pt)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    state_dict = torch.load(path / "optimizer.pt", weights_only=True)
+    step = state_dict["state"].pop("local_epoch", None)
+    if not isinstance(step, int):
+        raise ValueError(f"{path}/optimizer.pt has no collaborative step (local_epoch): not saved by a swarm trainer")
+    metadata: list[dict[str, Any]] = []
+    tensors: list[torch.Tensor] = []
+    for value in nested_flatten(state_dict):  # hivemind's dump_optimizer_state, from the saved state dict
+        if isinstance(value, torch.Tensor):
+            metadata.append({"type": "tensor", "index": len(tensors)})
+            tensors.append(value)
+        else:
+            metadata.append({"type": "value", "value": value})
+    parameters = [p.detach().clone() for _, p in swarm_parameters(model)]
+    return SwarmState(step, parameters, metadata, tensors), model
