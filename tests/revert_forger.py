@@ -17,9 +17,9 @@ from hivemind.utils import get_dht_time
 
 from trahiv.auth import PeerAuth, keys
 from trahiv.auth.revert import RevertOrder, SignedRevertOrder, sign_order
+from trahiv.config import DHTConfig
 from trahiv.revert import revert_key
 from trahiv.swarm import start_dht
-from trahiv.config import DHTConfig
 
 
 def main(spec_path: str) -> int:

@@ -171,7 +171,7 @@ def test_reported_sample_caps():
         b"k5": ValueWithExpiration("garbage", now),
     }
     caps = reported_sample_caps(records, [a, b, c], now)
-    assert caps == {a: 2 * 20 + 1, b: 2 * 30 + 1, c: 2 * 20 + 1}  # c reported nothing: the smallest cap
+    assert caps == {a: 1.25 * 20 + 1, b: 1.25 * 30 + 1, c: 1.25 * 20 + 1}  # c reported nothing: the smallest cap
     assert reported_sample_caps({}, [a, b], now) == {}
 
 

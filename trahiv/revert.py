@@ -252,6 +252,7 @@ class RevertFollower:
         self.applied_id = watcher.baseline_id
         self.applied: list[RevertOrder] = []
         self.grace_until = 0.0
+        self.reverted_step = -1
         self._retry_at = 0.0
 
     def attach(self, opt: SwarmOptimizer) -> RevertFollower:
@@ -277,8 +278,10 @@ class RevertFollower:
         signed = self.watcher.pending(self.applied_id)
         if signed is not None:
             return self._apply(opt, signed.order)
-        if self.in_grace() and opt.tracker.global_epoch > opt.local_epoch + 1:
-            return self._catch_up(opt)
+        if self.in_grace():  # like hivemind's sync check, but downloading only from peers that reverted
+            ahead, local = opt.tracker.global_epoch, opt.local_epoch
+            if ahead > local + 1 or (ahead > local and local == self.reverted_step):
+                return self._catch_up(opt)
         return False
 
     def _apply(self, opt: SwarmOptimizer, order: RevertOrder) -> bool:
@@ -288,12 +291,13 @@ class RevertFollower:
             return peer == order.source if order.source else priority == order.step
 
         what = f"revert order #{order.revert_id}"
-        loaded = download_state(opt, accept, step=order.step, digest=order.parameters_sha256, what=what)
+        loaded = _guarded(download_state, opt, accept, step=order.step, digest=order.parameters_sha256, what=what)
         if loaded is None:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             logger.warning(f"Revert order #{order.revert_id}: the checkpoint's state is not available yet; retrying")
             return False
         self.applied_id, self.grace_until = order.revert_id, time.monotonic() + self.grace
+        self.reverted_step = order.step
         self.applied.append(order)
         load_state(opt, *loaded, step=order.step)
         self.watcher.announce(order.revert_id)
@@ -312,7 +316,7 @@ class RevertFollower:
             return peer in allowed and isinstance(priority, int | float) and priority > local
 
         what = f"catching up after revert order #{self.applied_id}"
-        loaded = download_state(opt, accept, step=None, digest="", what=what)
+        loaded = _guarded(download_state, opt, accept, step=None, digest="", what=what)
         if loaded is None:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             return False
@@ -320,6 +324,15 @@ class RevertFollower:
         load_state(opt, metadata, tensors, step=int(metadata["epoch"]))
         logger.info(f"Caught up with the peers that applied revert order #{self.applied_id}: step {opt.local_epoch}")
         return True
+
+
+def _guarded(download: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
+    """A failed download (timeout, averager error) is retried later: it must never stop training."""
+    try:
+        return download(*args, what=what, **kwargs)
+    except Exception as e:
+        logger.warning(f"{what}: the state download failed: {e!r}")
+        return None
 
 
 def _leave_rounds(opt: SwarmOptimizer) -> None:

@@ -194,9 +194,10 @@ class SwarmProgressTracker(ProgressTracker):
         """Drop records more than one step ahead of this peer unless a quorum of peers reports that far (one forged
         record must not move the swarm); remember the highest dropped epoch in `unconfirmed_epoch`."""
         allowed = self.peer_filter() if self.peer_filter is not None else None
-        if allowed is not None:  # a revert's grace period: peers that did not apply it yet train in the old state
-            self.ignored_records, self.unconfirmed_epoch = {}, 0
-            return {k: v for k, v in records.items() if PeerID(v[0].peer_id).to_base58() in allowed}
+        if allowed is not None:  # a revert's grace period: peers far ahead that did not apply it train in the old state
+            self.ignored_records, self.unconfirmed_epoch, limit = {}, 0, self.local_progress.epoch + 1
+            kept = [k for k, (r, _) in records.items() if r.epoch <= limit or PeerID(r.peer_id).to_base58() in allowed]
+            return {k: records[k] for k in kept}
         limit = trusted_epoch([record.epoch for record, _ in records.values()], self.local_progress.epoch)
         trusted, dropped = {}, {}
         for key, (record, expiration) in records.items():

@@ -13,7 +13,7 @@ This module uses `cryptography` and pydantic only (the auth server imports it); 
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,7 +31,7 @@ __all__ = [
     "verify_order",
 ]
 
-ORDER_FORMAT = "trahiv-revert/1"
+ORDER_FORMAT: Final = "trahiv-revert/1"
 PEER_ID_PATTERN = r"^([1-9A-HJ-NP-Za-km-z]{32,128})?$"  # base58 libp2p peer ID, or empty
 SHA256_PATTERN = r"^([0-9a-f]{64})?$"
 MAX_ORDER_BYTES = 8192

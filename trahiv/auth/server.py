@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import ForeignKey, LargeBinary, String, UniqueConstraint, create_engine, func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from trahiv.auth import keys
@@ -385,11 +386,15 @@ def create_app(state: AuthServerState) -> FastAPI:
 
     @app.post("/api/experiments/{run_id}/revert", status_code=201, dependencies=[Moderator])
     def revert(run_id: str, body: RevertRequest, db: DB) -> SignedRevertOrder:
-        exp = experiment(db, run_id)
-        last = db.scalar(select(func.max(RevertRow.revert_id)).where(RevertRow.run_id == run_id))
-        order = RevertOrder(run_id=run_id, revert_id=int(last or 0) + 1, issued_at=_now(), **body.model_dump())
-        signed = sign_order(keys.load_private_key(exp.private_key), order)
-        db.add(RevertRow(run_id=run_id, revert_id=order.revert_id, signed=signed.model_dump_json()))
+        private_key = keys.load_private_key(experiment(db, run_id).private_key)
+        try:  # committed before the answer (not after it, as the request's session is): peers may poll at once
+            with state.sessions.begin() as tx:
+                last = tx.scalar(select(func.max(RevertRow.revert_id)).where(RevertRow.run_id == run_id))
+                order = RevertOrder(run_id=run_id, revert_id=int(last or 0) + 1, issued_at=_now(), **body.model_dump())
+                signed = sign_order(private_key, order)
+                tx.add(RevertRow(run_id=run_id, revert_id=order.revert_id, signed=signed.model_dump_json()))
+        except IntegrityError:
+            raise HTTPException(409, "another revert order was issued at the same moment: retry") from None
         return signed
 
     @app.get("/api/experiments/{run_id}/revert")

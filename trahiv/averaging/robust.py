@@ -38,7 +38,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 logger = logging.getLogger("trahiv.averaging")
-WEIGHT_SLACK = 2.0  # a gradient round's weight may exceed the samples a peer reported by this factor (staleness)
+WEIGHT_SLACK = 1.25  # a gradient round's weight may exceed the samples a peer reported by this factor (staleness)
 MAX_EXTRAPOLATION_S = 60.0  # reported samples are extrapolated at the reported rate for at most this long
 CAPS_FETCH_TIMEOUT_S = 2.0
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state

@@ -22,7 +22,11 @@ from typing import Any
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("revert", help="moderators: return the swarm to a checkpoint (needs the auth server)")
     parser.add_argument("--config", required=True, help="hivemind_config (JSON string or file) with dht, opt, auth")
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (trahiv aux format: checkpoint-N)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a checkpoint folder: the auxiliary peer's (checkpoint-N), or a swarm trainer's output_dir/checkpoint-N",
+    )
     parser.add_argument("--admin-token-file", required=True, help="file holding the auth server's moderator token")
     parser.add_argument("--reason", default="", help="why (kept with the order; at most 500 characters)")
     parser.add_argument("--serve-for", type=float, default=300.0, help="seconds to serve the checkpoint (default 300)")
@@ -70,13 +74,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("reverting needs a moderated swarm: give hivemind_config an 'auth' section (server, token)")
     admin_token = Path(args.admin_token_file).read_text().strip()
 
-    from trahiv.aux.checkpoints import load_checkpoint
+    from trahiv.aux.checkpoints import SwarmState, load_checkpoint
+    from trahiv.revert import state_from_trainer_checkpoint
 
-    checkpoint = load_checkpoint(args.checkpoint)  # ValueError if it is not one
-    run_id = config.opt.run_id
-    if checkpoint.run_id and checkpoint.run_id != run_id:
-        raise ValueError(f"{args.checkpoint} is a checkpoint of run {checkpoint.run_id!r}, not {run_id!r}")
-    state = checkpoint.swarm_state()
+    run_id, folder = config.opt.run_id, Path(args.checkpoint)
+    state: SwarmState
+    if (folder / "optimizer.pt").is_file() and not (folder / "trahiv_state.json").is_file():
+        state, _ = state_from_trainer_checkpoint(folder)  # a trainer's own save (output_dir/checkpoint-N)
+    else:
+        checkpoint = load_checkpoint(folder)  # ValueError if it is not one
+        if checkpoint.run_id and checkpoint.run_id != run_id:
+            raise ValueError(f"{folder} is a checkpoint of run {checkpoint.run_id!r}, not {run_id!r}")
+        state = checkpoint.swarm_state()
 
     from trahiv import engine
     from trahiv.auth import AuthError, AuthGate, gated
