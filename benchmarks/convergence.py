@@ -127,11 +127,15 @@ def peer_worker(spec: dict) -> dict:
     from trahiv.demo import BlockDataset
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("no_progress_refresh"):  # A/B: without SwarmOptimizer's progress re-fetch near the target
+        from trahiv.swarm import SwarmOptimizer
+
+        SwarmOptimizer._refresh_progress_if_due = lambda self: None
     workdir, out = Path(spec["workdir"]), Path(spec["out"])
     train, eval_blocks = BlockDataset.load(workdir / "train.pt"), torch.load(workdir / "eval.pt")
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
     opt = {
-        "run_id": spec["run_id"], "target_batch_size": spec["peers"] * spec["batch"], "min_peers": spec["peers"],
+        "run_id": spec["run_id"], "target_batch_size": spec["global_batch"], "min_peers": spec["peers"],
         "min_peers_timeout": spec["min_peers_timeout"], "matchmaking_time": spec["matchmaking_time"],
         "averaging_timeout": spec["averaging_timeout"], "grad_compression": spec["compression"],
         "state_averaging_compression": spec["compression"], "load_state_compression": spec["compression"],
@@ -164,7 +168,7 @@ def baseline_worker(spec: dict) -> dict:
     workdir, out = Path(spec["workdir"]), Path(spec["out"])
     train, eval_blocks = BlockDataset.load(workdir / "train.pt"), torch.load(workdir / "eval.pt")
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
-    global_batch = spec.get("global_batch") or spec["peers"] * spec["batch"]
+    global_batch = spec["global_batch"]
     args = training_arguments(transformers.TrainingArguments, spec, out, global_batch)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=train)
     recorder = make_recorder({**spec, "local_batch": global_batch}, eval_blocks)
@@ -256,14 +260,13 @@ def start_bootstrap(procs: Processes, tmp: Path, timeout: float = 60) -> list[st
     raise RuntimeError(f"the bootstrap peer did not start in {timeout} s")
 
 
-def summarize_swarm(results: list[dict], batch: int) -> dict:
+def summarize_swarm(results: list[dict], target: int) -> dict:
     by_step: dict[int, list[int]] = {}
     for result in results:
         for step, samples in result["step_samples"].items():
             by_step.setdefault(int(step), []).append(samples)
     steps = sorted(by_step)
     totals = [sum(by_step[s]) for s in steps]
-    target = len(results) * batch
     wall = max(r["wall_s"] for r in results)
     losses = [r["eval_loss"] for r in results]
     rounds = {k: [r["metrics"].get(f"averaging_rounds_{k}", 0) for r in results] for k in ("complete", "partial",
@@ -288,8 +291,14 @@ def summarize_swarm(results: list[dict], batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="samples per local step and peer")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer (collaborative) steps")
+    parser.add_argument("--batch", type=int, default=2, help="samples per local step and peer")
+    parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=4,
+        help="local steps of each peer per collaborative step: global batch = peers x batch x this",
+    )
+    parser.add_argument("--steps", type=int, default=30, help="optimizer (collaborative) steps")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=4, help="warm-up steps of the LR schedule")
     parser.add_argument("--scheduler", default="linear")
@@ -311,6 +320,8 @@ def main() -> None:
     parser.add_argument("--baseline-seeds", type=int, default=3, help="baseline runs with data orders seed, seed+1...")
     parser.add_argument("--timeout", type=float, default=540, help="seconds for the whole swarm run")
     parser.add_argument("--output", help="also write the JSON there")
+    parser.add_argument("--keep", help="work in this folder and keep it (logs of every process), not a temporary one")
+    parser.add_argument("--no-progress-refresh", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,14 +337,15 @@ def main() -> None:
     load_before = os.getloadavg()
     procs = Processes()
     cores = os.cpu_count() or 1
-    with tempfile.TemporaryDirectory(prefix="trahiv-convergence-") as tmp_name:
+    keep = contextlib.nullcontext(args.keep) if args.keep else None
+    with keep or tempfile.TemporaryDirectory(prefix="trahiv-convergence-") as tmp_name:
         tmp = Path(tmp_name)
         prepare_workdir(tmp / "work", seed=args.seed)
         n_train, n_eval = split_blocks(tmp / "work")
         spec = {
             "workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
             "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": args.max_grad_norm,
-            "seed": args.seed,
+            "seed": args.seed, "global_batch": args.peers * args.batch * args.local_steps,
         }  # fmt: skip
 
         baselines = []
@@ -348,7 +360,7 @@ def main() -> None:
             **spec, "initial_peers": initial_peers, "run_id": f"convergence{os.getpid()}",
             "compression": args.compression, "matchmaking_time": args.matchmaking_time,
             "averaging_timeout": args.averaging_timeout, "min_peers_timeout": 120.0, "opt": json.loads(args.opt),
-            "threads": max(1, cores // args.peers),
+            "threads": max(1, cores // args.peers), "no_progress_refresh": args.no_progress_refresh,
         }  # fmt: skip
         started = time.monotonic()
         peers = [
@@ -366,13 +378,14 @@ def main() -> None:
         swarm_samples = sum(r["samples"] for r in results)
         matched_batch = max(1, round(swarm_samples / args.steps))
         matched = []
-        for offset in range(args.baseline_seeds if matched_batch != args.peers * args.batch else 0):
+        runs = args.baseline_seeds if spec["global_batch"] != matched_batch <= n_train else 0  # (drop_last)
+        for offset in range(runs):
             folder = tmp / f"matched{offset}"
             matched_spec = {**spec, "seed": args.seed + offset, "threads": cores, "global_batch": matched_batch}
             proc = run_worker(procs, "baseline", matched_spec, folder, 0)
             matched.append(wait_result(proc, folder, time.monotonic() + args.timeout))
 
-    swarm = summarize_swarm(results, args.batch)
+    swarm = summarize_swarm(results, spec["global_batch"])
     base = baselines[0]
     base_losses = [b["eval_loss"] for b in baselines]
     rel = swarm["eval_loss"] / base["eval_loss"] - 1
@@ -381,7 +394,8 @@ def main() -> None:
         "command": " ".join([".venv/bin/python", "benchmarks/convergence.py", *sys.argv[1:]]),
         "model": "demo tiny GPT-2 (2 layers x 128, vocab 512, 0.47M params), blocks of 64 tokens",
         "train_blocks": n_train, "eval_blocks": n_eval,
-        "peers": args.peers, "batch_per_peer": args.batch, "global_batch": args.peers * args.batch,
+        "peers": args.peers, "batch_per_peer": args.batch, "local_steps_per_collaborative_step": args.local_steps,
+        "global_batch": spec["global_batch"],
         "steps": args.steps, "optimizer": "adamw_torch", "lr": args.lr, "scheduler": args.scheduler,
         "warmup_steps": args.warmup, "max_grad_norm": args.max_grad_norm, "compression": args.compression,
         "matchmaking_time": args.matchmaking_time,

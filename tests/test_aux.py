@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 from swarm_helpers import ENV, start_peer, stop, wait_for
 
-from trahiv.aux.collector import Collector, aggregate_step
-from trahiv.aux.store import MetricsStore, default_store_url
+from trahiv.auxiliary.collector import Collector, aggregate_step
+from trahiv.auxiliary.store import MetricsStore, default_store_url
 from trahiv.metrics import MetricsRecord, parse_metrics
 
 PEER_IDS = ["12D3KooWMEGSxULAnyzgdnsfDLBV5wjy7CThowe4rVoRqrYEy5Rv", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]
@@ -185,7 +185,7 @@ def test_collector_sessions_ownership_and_settling(tmp_path, caplog):
     assert tracker.points == [(1, {"swarm/active_peers": 2.0, "swarm/samples_per_second": 6.0, "swarm/samples": 32.0,
                                    "swarm/loss": 1.25})]  # fmt: skip
     # another key claims peer a while a's own record lives: ignored
-    with caplog.at_level("WARNING", logger="trahiv.aux"):
+    with caplog.at_level("WARNING", logger="trahiv.auxiliary"):
         dht.entries[subkey(3)] = record(peer_id=a, step=2, step_samples=10**6, samples=10**6, time=2.0)
         collector.poll(now=7.0)
     assert "Ignoring metrics for peer" in caplog.text
@@ -254,7 +254,7 @@ def test_aux_refuses_a_store_of_another_run(tmp_path, capsys):
 
 
 def test_optional_trackers_fail_clearly_when_missing(tmp_path):
-    from trahiv.aux.trackers import make_trackers
+    from trahiv.auxiliary.trackers import make_trackers
 
     for name in ("wandb", "trackio"):
         try:

@@ -15,7 +15,7 @@ from hub_standin import HubStandIn
 from safetensors.torch import load_file
 from swarm_helpers import ENV, start_peer, stop, wait_for
 
-from trahiv.aux.checkpoints import (
+from trahiv.auxiliary.checkpoints import (
     SwarmState,
     latest_checkpoint,
     list_checkpoints,
@@ -24,7 +24,7 @@ from trahiv.aux.checkpoints import (
     save_checkpoint,
     swarm_parameters,
 )
-from trahiv.aux.state import StateKeeperConfig
+from trahiv.auxiliary.state import StateKeeperConfig
 
 RUN = "auxckpt"
 
@@ -91,7 +91,7 @@ def test_checkpoint_format_roundtrip_and_retention(tmp_path):
 def test_keeper_refuses_another_runs_or_models_checkpoint(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from trahiv.aux.keeper import StateKeeper
+    from trahiv.auxiliary.keeper import StateKeeper
     from trahiv.demo import tiny_gpt2_config
 
     model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, n_embd=32, n_head=2))
@@ -141,8 +141,8 @@ class Aux:
 
 
 def start_aux(tmp: Path, workdir: Path, *extra: str, env: dict | None = None) -> Aux:
-    """`trahiv aux` keeping checkpoints of every collaborative step (the newest two) in tmp/aux/checkpoints."""
-    out = tmp / "aux"
+    """`trahiv aux` keeping checkpoints of every collaborative step (the newest two) in tmp/auxiliary/checkpoints."""
+    out = tmp / "auxiliary"
     addresses = tmp / "aux-addresses.json"
     addresses.unlink(missing_ok=True)
     config = json.dumps({"dht": {"nat_port_map": False}, "opt": {"run_id": RUN, "target_batch_size": 16}})

@@ -70,5 +70,8 @@ def test_demo_runs_a_local_swarm_end_to_end(tmp_path):
     rows = [json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(2)]
     assert all(row["collaborative_steps"] == 4 for row in rows)
     assert all(row["last_loss"] < row["first_loss"] for row in rows)
-    assert rows[0]["samples_contributed"] > rows[1]["samples_contributed"] > 0  # batch 8 vs batch 4
+    # the peers start together (min_peers) and share the 2 cores: each contributes a fair part of the swarm's samples
+    samples = [row["samples_contributed"] for row in rows]
+    assert sum(samples) >= 4 * 96 and min(samples) > 0.25 * sum(samples), samples
     assert "peers 2" in out, "the two trainers never saw each other"
+    assert "Dashboard (live while the demo runs): http://127.0.0.1:" in out

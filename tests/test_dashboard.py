@@ -1,4 +1,4 @@
-"""The auxiliary peer's dashboard (trahiv.aux.dashboard) over a MetricsStore filled with known steps and contributors:
+"""The auxiliary peer's dashboard over a MetricsStore filled with known steps and contributors:
 the JSON API (shapes, ETA, empty store, bad parameters), the page's files, the server, and the page itself rendered
 by headless Chromium (Debian's chromium package; skipped where it is not installed, as on a non-root machine).
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from fastapi.testclient import TestClient
 
-from trahiv.aux.dashboard import (
+from trahiv.auxiliary.dashboard import (
     ETA_WINDOW,
     PAGE_MAX_POINTS,
     STATIC_DIR,
@@ -33,12 +33,12 @@ from trahiv.aux.dashboard import (
     step_rate_and_eta,
     summarize,
 )
-from trahiv.aux.dashboard_service import DashboardService, attach
-from trahiv.aux.store import MetricsStore
+from trahiv.auxiliary.dashboard_service import DashboardService, attach
+from trahiv.auxiliary.store import MetricsStore
 from trahiv.cli.main import build_parser
 
 if TYPE_CHECKING:
-    from trahiv.aux.peer import AuxService  # (it imports hivemind: seconds)
+    from trahiv.auxiliary.peer import AuxService  # (it imports hivemind: seconds)
 
 REPO = Path(__file__).resolve().parents[1]
 MISSED_STEP, NO_LOSS_STEP, LAST_STEP, MAX_STEPS, STEP_SECONDS = 15, 3, 30, 100, 20.0
@@ -255,7 +255,7 @@ def test_page_loads_only_its_own_files(client):
 
 def test_static_files_are_shipped():
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"aux/static/*"' in pyproject, "the dashboard's static files must be in the package data"
+    assert '"auxiliary/static/*"' in pyproject, "the dashboard's static files must be in the package data"
     names = {path.name for path in STATIC_DIR.iterdir()}
     assert {"index.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js", "uPlot.min.css"} <= names
     assert "uPlot.LICENSE.txt" in names

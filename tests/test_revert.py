@@ -159,7 +159,7 @@ def _steps_after_revert(peer) -> list[int]:
 @pytest.mark.swarm
 @pytest.mark.timeout(400)
 def test_revert_returns_every_trainer_to_the_checkpoint(server: AuthServer, tmp_path, workdir):
-    from trahiv.aux.checkpoints import load_checkpoint, save_checkpoint
+    from trahiv.auxiliary.checkpoints import load_checkpoint, save_checkpoint
     from trahiv.revert import state_from_trainer_checkpoint
 
     tokens = {

@@ -28,7 +28,9 @@ __all__ = [
     "parse_metrics",
 ]
 
-METRICS_TTL = 120.0  # seconds a record stays in the DHT (readers poll every few seconds; see trahiv.aux.collector)
+METRICS_TTL = (
+    120.0  # seconds a record stays in the DHT (readers poll every few seconds; see trahiv.auxiliary.collector)
+)
 MAX_COUNT = 2**53  # counts beyond this lose precision as JSON numbers
 MAX_FLOAT = 1e15
 NAME_PATTERN = r"^[^\x00-\x1f\x7f]{1,32}\Z"  # printable, at most 32 characters

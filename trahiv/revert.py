@@ -1,7 +1,7 @@
 """Following a moderator's revert order: the whole swarm returns to a checkpoint's weights, optimizer state and step.
 
 1. The moderator runs `trahiv revert --checkpoint DIR` (trahiv/cli/revert.py): a peer that serves the checkpoint's
-   state (the auxiliary peer's format, `trahiv.aux.checkpoints`) and asks the auth server for a revert order naming
+   state (the aux peer's format, `trahiv.auxiliary.checkpoints`) and asks the auth server for a revert order naming
    that peer, the checkpoint's step and the digest of its trainable tensors. The server signs the order with the
    experiment key (`trahiv.auth.revert`).
 2. Every peer of a moderated swarm runs a `RevertWatcher`: it reads orders from the DHT (`{run_id}_revert`, every
@@ -42,7 +42,7 @@ from trahiv.auth.revert import RevertOrder, RevertOrderError, SignedRevertOrder,
 from trahiv.averaging.robust import state_rejection_reason
 
 if TYPE_CHECKING:
-    from trahiv.aux.checkpoints import SwarmState
+    from trahiv.auxiliary.checkpoints import SwarmState
     from trahiv.swarm import SwarmOptimizer
 
 logger = logging.getLogger("trahiv.revert")
@@ -443,11 +443,11 @@ def reset_scheduler(scheduler: Any, step: int) -> None:
 
 def state_from_trainer_checkpoint(path: str | Path) -> tuple[SwarmState, torch.nn.Module]:
     """The swarm state a trahiv Trainer saved in `path` (output_dir/checkpoint-N: model, optimizer.pt with
-    hivemind's local_epoch), and the model; `trahiv.aux.checkpoints.save_checkpoint` turns it into a checkpoint."""
+    hivemind's local_epoch), and the model; `save_checkpoint` (auxiliary.checkpoints) makes it a checkpoint."""
     import transformers
     from hivemind.utils.nested import nested_flatten
 
-    from trahiv.aux.checkpoints import SwarmState, swarm_parameters
+    from trahiv.auxiliary.checkpoints import SwarmState, swarm_parameters
 
     path = Path(path)
     if not (path / "optimizer.pt").is_file():

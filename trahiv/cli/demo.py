@@ -78,12 +78,12 @@ def run_swarm(args: argparse.Namespace) -> int:
                 *command, "demo", "--role", "trainer", "--workdir", str(workdir), "--index", str(index),
                 "--batch-size", str(batch_size), "--max-steps", str(args.max_steps),
                 "--target-batch-size", str(args.target_batch_size), "--matchmaking-time", str(args.matchmaking_time),
-                "--run-id", args.run_id, "--initial-peers", *initial_peers,
+                "--run-id", args.run_id, "--peers", str(args.peers), "--initial-peers", *initial_peers,
             ]  # fmt: skip
             trainers.append(subprocess.Popen(trainer_args, env=env, stderr=log))
             processes.append(trainers[-1])
         if aux is not None:
-            url = _wait_for_dashboard(workdir / "aux.log", aux)
+            url = _wait_for_dashboard(workdir / "auxiliary.log", aux)
             print(f"Dashboard (live while the demo runs): {url}", flush=True)
         codes = [_wait(p, deadline) for p in trainers]
     finally:
@@ -106,13 +106,13 @@ def _wait_for_addresses(path: Path, process: subprocess.Popen) -> list[str]:
 def _start_aux(
     command: list[str], env: dict[str, str], workdir: Path, args: argparse.Namespace, initial_peers: list[str]
 ) -> subprocess.Popen:
-    """An auxiliary peer with the dashboard: the trainers' metrics go to workdir/aux (SQLite store, TensorBoard)."""
+    """An auxiliary peer with the dashboard: trainers' metrics go to workdir/auxiliary (SQLite, TensorBoard)."""
     config = {"opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size},
               "dht": {"initial_peers": initial_peers, "nat_port_map": False}}  # fmt: skip
-    aux_args = [*command, "aux", "--config", json.dumps(config), "--output-dir", str(workdir / "aux"),
+    aux_args = [*command, "aux", "--config", json.dumps(config), "--output-dir", str(workdir / "auxiliary"),
                 "--max-steps", str(args.max_steps), "--dashboard-port", str(args.dashboard_port),
                 "--dashboard-refresh", "2"]  # fmt: skip
-    log = open(workdir / "aux.log", "w")
+    log = open(workdir / "auxiliary.log", "w")
     return subprocess.Popen(aux_args, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -202,7 +202,8 @@ def run_trainer(args: argparse.Namespace) -> int:
             "dht": {"initial_peers": args.initial_peers, "nat_port_map": False},
             "metrics": {"name": f"demo peer {index}"},  # on the dashboard's leaderboard
             "opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size,
-                    "matchmaking_time": args.matchmaking_time, "averaging_timeout": 30.0},
+                    "matchmaking_time": args.matchmaking_time, "averaging_timeout": 30.0,
+                    "min_peers": args.peers, "min_peers_timeout": 120.0},  # the demo's peers start together
         },
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(workdir / "model")

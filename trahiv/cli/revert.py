@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("reverting needs a moderated swarm: give hivemind_config an 'auth' section (server, token)")
     admin_token = Path(args.admin_token_file).read_text().strip()
 
-    from trahiv.aux.checkpoints import SwarmState, load_checkpoint
+    from trahiv.auxiliary.checkpoints import SwarmState, load_checkpoint
     from trahiv.revert import state_from_trainer_checkpoint
 
     run_id, folder = config.opt.run_id, Path(args.checkpoint)
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from trahiv import engine
     from trahiv.auth import AuthError, AuthGate, gated
     from trahiv.auth.revert import SignedRevertOrder, verify_order
-    from trahiv.aux.keeper import StateMirror
+    from trahiv.auxiliary.keeper import StateMirror
     from trahiv.revert import RevertWatcher, parameters_digest
     from trahiv.swarm import _start_auth, start_dht
 

@@ -1,4 +1,4 @@
-"""Settings and `trahiv aux` flags of the auxiliary peer's state keeper (`trahiv.aux.keeper`): checkpoints of the
+"""Settings and `trahiv aux` flags of the auxiliary peer's state keeper (`trahiv.auxiliary.keeper`): checkpoints of the
 swarm's state, serving it to joining peers, restarting a stopped swarm, Hub upload. Light to import (no torch)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from trahiv.config import _Section
 
 if TYPE_CHECKING:
-    from trahiv.aux.peer import AuxPeer
+    from trahiv.auxiliary.peer import AuxPeer
 
 __all__ = ["StateKeeperConfig", "add_arguments", "attach", "load_model"]
 
@@ -122,6 +122,6 @@ def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
         hub_repo=args.hub_repo,
         hub_private=args.hub_private,
     )
-    from trahiv.aux.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
+    from trahiv.auxiliary.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
 
     peer.add_service(StateKeeper(config))

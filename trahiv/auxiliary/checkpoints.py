@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("trahiv.aux.checkpoints")
+logger = logging.getLogger("trahiv.auxiliary.checkpoints")
 
 __all__ = [
     "FORMAT",

@@ -1,7 +1,7 @@
 """The dashboard as a duty of the auxiliary peer: `trahiv aux --dashboard-port PORT [--dashboard-host HOST]`.
 
-An extension of `trahiv aux` (trahiv.cli.aux.EXTENSIONS): `add_arguments` adds the flags, `attach` adds a
-`DashboardService` to the AuxPeer, which serves trahiv.aux.dashboard over the peer's MetricsStore once the peer has
+An extension of `trahiv aux` (trahiv.cli.aux_peer.EXTENSIONS): `add_arguments` adds the flags, `attach` adds a
+`DashboardService` to the AuxPeer, which serves the dashboard over the peer's MetricsStore once the peer has
 started and prints `Dashboard: http://HOST:PORT/`. Cheap to import: the web stack loads when the dashboard starts.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from trahiv.aux.dashboard import DashboardServer, MetricsSource
-    from trahiv.aux.peer import AuxService
+    from trahiv.auxiliary.dashboard import DashboardServer, MetricsSource
+    from trahiv.auxiliary.peer import AuxService
 
 __all__ = ["DEFAULT_HOST", "DashboardService", "Host", "add_arguments", "attach"]
 
@@ -21,7 +21,7 @@ DEFAULT_HOST = "127.0.0.1"
 
 
 class Host(Protocol):
-    """What the dashboard uses of the auxiliary peer (trahiv.aux.peer.AuxPeer)."""
+    """What the dashboard uses of the auxiliary peer (trahiv.auxiliary.peer.AuxPeer)."""
 
     @property
     def store(self) -> MetricsSource | None: ...
@@ -88,7 +88,7 @@ class DashboardService:
         return None if self.server is None else self.server.url
 
     def start(self, peer: Host) -> None:
-        from trahiv.aux.dashboard import DashboardServer
+        from trahiv.auxiliary.dashboard import DashboardServer
 
         if peer.store is None:
             raise RuntimeError("the dashboard starts after the auxiliary peer opened its store")

@@ -55,7 +55,7 @@ PAGE_MAX_POINTS = 10_000  # the page charts at most the last this many steps
 
 
 class MetricsSource(Protocol):
-    """What the dashboard reads: trahiv.aux.store.MetricsStore's reading half."""
+    """What the dashboard reads: trahiv.auxiliary.store.MetricsStore's reading half."""
 
     def steps(self, limit: int | None = None) -> list[dict]: ...
 

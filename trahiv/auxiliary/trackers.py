@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-logger = logging.getLogger("trahiv.aux")
+logger = logging.getLogger("trahiv.auxiliary")
 
 __all__ = ["TRACKERS", "TensorBoardTracker", "TrackioTracker", "Tracker", "WandbTracker", "make_trackers"]
 

@@ -2,13 +2,16 @@
 
 - Every `checkpoint_every` collaborative steps it downloads the swarm's state (model, optimizer state, step) from the
   peer serving the newest one, the way a joining trainer does (`load_state_from_peers`), and saves a checkpoint
-  (`trahiv.aux.checkpoints`), keeping the newest `keep_checkpoints`; optionally it uploads it to the Hugging Face Hub.
+  (`trahiv.auxiliary.checkpoints`), keeping the newest `keep_checkpoints`; optionally uploads it to the HF Hub.
 - It serves the state it holds to peers that join, as a trainer's state averager does: its state-sharing priority is
   the step of that state, so joiners prefer trainers (which are newer) and fall back on it.
 - At start it loads its newest checkpoint and serves it: a whole swarm that stopped restarts from that step. Start
   the auxiliary peer, then the trainers: before training, a trainer sees a peer serving a newer step than its own
   and downloads that state (`Swarm.catch_up`), so training continues at the checkpoint's collaborative step with
   its optimizer state and learning-rate schedule.
+- In a moderated swarm, when a moderator reverts the swarm to step N (`trahiv revert`, a valid order signed by the
+  experiment key), it moves its checkpoints of later steps to `checkpoint_dir/reverted-<order id>/`, serves its newest
+  remaining checkpoint (or nothing), and saves no new checkpoint during the revert's grace period.
 
 The keeper needs the swarm's model (`model`: a local folder or a cached Hub name, read with `from_pretrained` and
 local files only; a folder with only `config.json` gives the architecture). It computes nothing: no gradients, CPU.
@@ -36,23 +39,25 @@ from hivemind.compression.base import TensorRole
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from trahiv import engine
-from trahiv.aux.checkpoints import (
+from trahiv.auth.gate import gated
+from trahiv.auxiliary.checkpoints import (
     SwarmState,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
     push_to_hub,
     save_checkpoint,
     swarm_parameters,
 )
-from trahiv.aux.state import StateKeeperConfig, load_model
+from trahiv.auxiliary.state import StateKeeperConfig, load_model
 from trahiv.averaging.robust import CheckedStateDownload
 from trahiv.swarm import newest_served_step  # (importing trahiv.swarm applies the engine fixes)
 
 if TYPE_CHECKING:
-    from trahiv.aux.peer import AuxPeer
+    from trahiv.auxiliary.peer import AuxPeer
 
-logger = logging.getLogger("trahiv.aux.keeper")
+logger = logging.getLogger("trahiv.auxiliary.keeper")
 
 __all__ = ["StateKeeper", "StateMirror"]
 
@@ -93,6 +98,13 @@ class StateMirror(CheckedStateDownload):
         if not self.client_mode:
             self.allow_state_sharing = True
             self.state_sharing_priority = state.step
+
+    def withdraw(self) -> None:
+        """Hold and offer no state any more."""
+        with self._lock:
+            self._state = None
+        if not self.client_mode:
+            self.allow_state_sharing = False
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
         """What a peer downloading from this one receives (runs in this process, on the averager's request)."""
@@ -138,17 +150,24 @@ class StateKeeper:
         self._uploading = Path()
         self._dht: Any = None
         self._failed_step, self._retry_at = -1, 0.0
+        self._watcher: Any = None  # trahiv.revert.RevertWatcher of a moderated swarm
+        self.applied_revert = 0  # the newest revert order followed (orders older than the peer are not)
+        self._paused_until = 0.0  # no download during a revert's grace period (peers still in the old state serve it)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self, peer: AuxPeer) -> None:
-        self.start_with(peer.dht, peer.run_id)
+        self._watcher = peer.revert_watcher
+        if self._watcher is not None:
+            self.applied_revert = self._watcher.baseline_id
+        self.start_with(peer.dht, peer.run_id, gate=peer.auth_gate())
 
-    def start_with(self, dht: Any, run_id: str) -> None:
+    def start_with(self, dht: Any, run_id: str, gate: Any = None) -> None:
+        """`gate`: a `trahiv.auth.AuthGate` in a moderated swarm (state served only to peers with valid tokens)."""
         self._dht, self.run_id = dht, run_id
         served = self._newest_checkpoint() if self.config.resume else None  # bad checkpoints fail before any process
         with engine.children_ignore_sigint():
-            self.mirror = StateMirror(dht=dht, run_id=run_id)
+            self.mirror = gated(StateMirror, gate)(dht=dht, run_id=run_id)
         if served is not None:
             self.mirror.serve(served[1])
             logger.info(f"Serving checkpoint {served[0]} (collaborative step {served[1].step}) to peers that join")
@@ -190,14 +209,55 @@ class StateKeeper:
     def _loop(self) -> None:
         while not self._stop.wait(self.config.poll_interval):
             try:
-                self.poll()
+                if not self.follow_revert():
+                    self.poll()
             except Exception as e:  # a bad download or a full disk must not stop the aux peer
                 logger.warning(f"Could not save the swarm's state: {e!r}", exc_info=True)
+
+    def follow_revert(self) -> bool:
+        """Apply a new revert order of the swarm's moderators, if any (True if one was applied)."""
+        signed = self._watcher.pending(self.applied_revert) if self._watcher is not None else None
+        if signed is None:
+            return False
+        self.apply_revert(signed.order.revert_id, signed.order.step, grace=self._watcher.grace)
+        return True
+
+    def apply_revert(self, revert_id: int, step: int, grace: float = 0.0) -> list[Path]:
+        """The swarm was reverted to `step`: move the checkpoints of later steps to `checkpoint_dir/reverted-<id>/`,
+        serve the newest remaining checkpoint (or nothing), download nothing for `grace` seconds; return the new
+        paths of the moved checkpoints."""
+        self.applied_revert = max(self.applied_revert, revert_id)
+        folder = Path(self.config.checkpoint_dir)
+        later = [path for path in list_checkpoints(folder) if int(path.name.rsplit("-", 1)[1]) > step]
+        moved = []
+        for path in later:
+            target = folder / f"reverted-{revert_id}" / path.name
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+            moved.append(target)
+        held = self.step
+        if self.mirror is not None and held is not None and held > step:
+            remaining = latest_checkpoint(folder)
+            if remaining is not None:
+                self.mirror.serve(load_checkpoint(remaining).swarm_state())
+            else:
+                self.mirror.withdraw()
+        self._paused_until = time.monotonic() + grace
+        self._failed_step = -1
+        now = self.step
+        logger.warning(
+            f"Revert order #{revert_id}: the swarm returns to step {step}; "
+            + (f"moved {len(moved)} later checkpoint(s) to {folder / f'reverted-{revert_id}'}; " if moved else "")
+            + (f"serving step {now}" if now is not None else "serving no state")
+        )
+        return moved
 
     def poll(self) -> Path | None:
         """If the swarm crossed a multiple of `checkpoint_every` since the state held here, download and save it."""
         if self.mirror is None:
             raise RuntimeError("StateKeeper.poll() before start()")
+        if time.monotonic() < self._paused_until:
+            return None
         every, held = self.config.checkpoint_every, self.step
         served = newest_served_step(self._dht, self.run_id)
         if served < 1 or (held is not None and served // every <= held // every):

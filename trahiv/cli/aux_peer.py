@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 EXTENSIONS: tuple[str, ...] = (  # each adds flags and attaches a service
-    "trahiv.aux.dashboard_service",
-    "trahiv.aux.state",
+    "trahiv.auxiliary.dashboard_service",
+    "trahiv.auxiliary.state",
 )
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from trahiv.aux.trackers import TRACKERS
+    from trahiv.auxiliary.trackers import TRACKERS
 
     parser = commands.add_parser(
         "aux", help="run an auxiliary peer: entry point, metrics store, experiment trackers (CPU only)"
@@ -70,7 +70,8 @@ def load_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from trahiv.aux.peer import AuxPeer
+    from trahiv.auth import AuthError
+    from trahiv.auxiliary.peer import AuxPeer
     from trahiv.cli.dht import _ensure_identity
     from trahiv.engine import interrupt_on_signals
 
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             print("Stopping the auxiliary peer", file=sys.stderr)
+        except AuthError as e:  # refused by the auth server, or unreachable: its reason, exit code 2
+            raise ValueError(str(e)) from None
         finally:
             peer.stop()
     if crashed:

@@ -5,6 +5,12 @@ gathers the trainers' metrics into a MetricsStore and the experiment trackers. O
 objects with `start(peer)` and `stop()`, added with `add_service()` before `start()`; they find the DHT, the config,
 the store and the output directory on the peer (`peer.dht`, `peer.config`, `peer.store`, `peer.output_dir`).
 Services start after the collector, in the order added, and stop in reverse order, before it.
+
+In a moderated swarm (`config.auth`: the auth server and the user's token) the peer trades the token for an access
+token before its DHT starts (`AuthError` with the server's reason if refused), signs its DHT requests with it and
+renews it in the background, reporting no samples; `peer.auth` is then the `trahiv.auth.PeerAuth`, services
+wrap their averagers with `gated(cls, peer.auth_gate())`, and `peer.revert_watcher` (`trahiv.revert.RevertWatcher`)
+follows moderators' revert orders (the state keeper sets aside the checkpoints they revert).
 """
 
 from __future__ import annotations
@@ -15,12 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from trahiv.aux.collector import Collector
-from trahiv.aux.store import MetricsStore, default_store_url
-from trahiv.aux.trackers import Tracker, make_trackers
+from trahiv.auxiliary.collector import Collector
+from trahiv.auxiliary.store import MetricsStore, default_store_url
+from trahiv.auxiliary.trackers import Tracker, make_trackers
 from trahiv.config import HivemindConfig
 
-logger = logging.getLogger("trahiv.aux")
+logger = logging.getLogger("trahiv.auxiliary")
 
 __all__ = ["AuxPeer", "AuxService"]
 
@@ -60,6 +66,8 @@ class AuxPeer:
         self.tracker_project = tracker_project or config.opt.run_id
         self.announce = announce
         self.dht: Any = None
+        self.auth: Any = None  # trahiv.auth.PeerAuth in a moderated swarm
+        self.revert_watcher: Any = None  # trahiv.revert.RevertWatcher in a moderated swarm
         self.store: MetricsStore | None = None
         self.collector: Collector | None = None
         self.initial_peers: list[str] = []
@@ -69,6 +77,14 @@ class AuxPeer:
     @property
     def run_id(self) -> str:
         return self.config.opt.run_id
+
+    def auth_gate(self) -> Any:
+        """A `trahiv.auth.AuthGate` for this peer's averagers in a moderated swarm (only token holders); else None."""
+        if self.auth is None:
+            return None
+        from trahiv.auth import AuthGate
+
+        return AuthGate(self.run_id, self.auth.experiment_public_key)
 
     def add_service(self, service: AuxService) -> None:
         if self.dht is not None:
@@ -85,10 +101,17 @@ class AuxPeer:
             self.store = MetricsStore(self.store_url)
             trackers = self._open_trackers(self.store)
             from trahiv.metrics import add_metrics_validators
-            from trahiv.swarm import join_addresses, show_swarm_events, start_dht
+            from trahiv.swarm import _start_auth, join_addresses, show_swarm_events, start_dht
 
             show_swarm_events()
-            self.dht = start_dht(self.config.dht)
+            self.auth = _start_auth(self.config)  # before the DHT: a refused peer stops here, with the server's reason
+            self.dht = start_dht(self.config.dht, **(self.auth.dht_kwargs() if self.auth is not None else {}))
+            if self.auth is not None:
+                self.auth.attach(self.dht)  # published and renewed; an aux peer contributes no samples
+                from trahiv.revert import RevertWatcher
+
+                key, client = self.auth.experiment_public_key, self.auth.client
+                self.revert_watcher = RevertWatcher(self.dht, self.run_id, key, client).start()
             add_metrics_validators(self.dht, self.run_id)
             self.initial_peers = join_addresses(self.dht)
             self.announce(f"To join the training, use initial_peers = {self.initial_peers}")
@@ -141,6 +164,12 @@ class AuxPeer:
         if self.collector is not None:
             self.collector.stop(timeout=max(5.0, 2 * self.period))
             self.collector = None
+        if self.revert_watcher is not None:
+            self.revert_watcher.close()
+            self.revert_watcher = None
+        if self.auth is not None:  # no renewal while the DHT stops (removes a temporary identity)
+            self.auth.close()
+            self.auth = None
         if self.dht is not None:
             try:
                 self.dht.shutdown()

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trahiv.aux.store import MetricsStore
-from trahiv.aux.trackers import Tracker
+from trahiv.auxiliary.store import MetricsStore
+from trahiv.auxiliary.trackers import Tracker
 from trahiv.metrics import MetricsRecord, metrics_key, parse_metrics
 
-logger = logging.getLogger("trahiv.aux")
+logger = logging.getLogger("trahiv.auxiliary")
 
 __all__ = ["Collector", "StepAggregate", "aggregate_step"]
 
