@@ -68,6 +68,9 @@ class FastUniform8BitQuantization(Uniform8BitQuantization):
             clamped = flat[quantized == edge]
             if clamped.numel():
                 codebook[edge] = clamped.mean()
+        # a centre outside [min, max] is never nearer to a value than the bound: clamping keeps non-negative tensors
+        # non-negative (Adam's exp_avg_sq in a state download: a negative decoded value makes sqrt() NaN)
+        codebook.clamp_(float(flat.min()), float(flat.max()))
         return quantized.numpy().astype(self.indices_dtype, copy=False), codebook.numpy()
 
 
