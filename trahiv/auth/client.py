@@ -44,6 +44,14 @@ def auth_key(run_id: str) -> str:
     return f"{run_id}_auth"
 
 
+def http_error_detail(error: urllib.error.HTTPError) -> str:
+    """The reason the auth server gave (FastAPI's `detail`), else the HTTP reason phrase."""
+    try:
+        return str(json.loads(error.read()).get("detail", error.reason))
+    except Exception:
+        return str(error.reason)
+
+
 class AuthError(RuntimeError):
     """The auth server refused this peer, or could not be reached; the message says which and why."""
 
@@ -68,11 +76,9 @@ class AuthClient:
                 result: dict[str, Any] = json.loads(response.read())
                 return result
         except urllib.error.HTTPError as e:
-            try:
-                detail = json.loads(e.read()).get("detail", e.reason)
-            except Exception:
-                detail = e.reason
-            raise AuthError(f"the auth server at {self.server} refused (HTTP {e.code}): {detail}") from None
+            raise AuthError(
+                f"the auth server at {self.server} refused (HTTP {e.code}): {http_error_detail(e)}"
+            ) from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise AuthError(f"could not reach the auth server at {self.server}: {e}") from None
 

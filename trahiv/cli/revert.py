@@ -53,11 +53,9 @@ def post_revert(server: str, run_id: str, admin_token: str, body: dict[str, Any]
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read()).get("detail", e.reason)
-        except Exception:
-            detail = e.reason
-        raise ValueError(f"the auth server refused the revert order (HTTP {e.code}): {detail}") from None
+        from trahiv.auth.client import http_error_detail
+
+        raise ValueError(f"the auth server refused the revert order (HTTP {e.code}): {http_error_detail(e)}") from None
     except (urllib.error.URLError, OSError) as e:
         raise ValueError(f"could not reach the auth server at {server}: {e}") from None
 
