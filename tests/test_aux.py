@@ -1,15 +1,17 @@
 """The auxiliary peer: metrics records, the collector, the store, TensorBoard, and `trahiv aux` with three trainers.
 
-The swarm test shares one run (module fixture): `trahiv aux` starts first, as the swarm's entry point; three toy
-trainers join through it and publish their metrics; meanwhile an attacker writes a record for another peer's key, a
-record claiming another peer's ID, and a malformed record. The tests then read the store, the trainers' own logs of
-what they published, and the TensorBoard event file; the last one restarts the aux peer on the same store.
+The swarm test shares one run (module fixture): `trahiv aux --average` starts first, as the swarm's entry point; three
+toy trainers join through it, publish their metrics and average their gradients with its help; meanwhile an attacker
+writes a record for another peer's key, a record claiming another peer's ID, and a malformed record. The tests then
+read the store, the trainers' own logs of what they published and of their weights, the aux peer's log, and the
+TensorBoard event file; the last one restarts the aux peer on the same store.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -234,6 +236,14 @@ def test_collector_never_rewrites_old_steps_from_late_records():
         ),
         (["--config", '{"opt": {"run_id": "r", "target_batch_size": 8}}', "--initial-peers", "/ip4/1.2.3.4"], "/p2p/"),
         (["--config", '{"opt": {"run_id": "r", "target_batch_size": 8}}', "--store", "nope"], "not a database URL"),
+        (
+            ["--config", '{"opt": {"run_id": "r", "target_batch_size": 8, "power_sgd_rank": 4}}', "--average"],
+            "cannot help a PowerSGD swarm",
+        ),
+        (
+            ["--config", '{"opt": {"run_id": "r", "target_batch_size": 8, "use_local_updates": true}}', "--average"],
+            "averages parameters only",
+        ),
     ],
 )
 def test_aux_cli_rejects_bad_input(tmp_path, capsys, extra, message):
@@ -241,6 +251,34 @@ def test_aux_cli_rejects_bad_input(tmp_path, capsys, extra, message):
 
     assert main(["aux", "--output-dir", str(tmp_path), "--report-to", "none", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_helper_builds_from_the_schema_most_trainers_published():
+    import torch
+
+    from trahiv.auxiliary.helper import agreed_schema
+    from trahiv.swarm import _is_fingerprint, model_fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    model[1].weight.requires_grad_(False)
+    tensors = [model[0].weight, model[1].bias, model[0].bias]  # the optimizer's order, not the model's
+    honest = model_fingerprint(model.named_parameters(), tensors)
+    assert honest["schema"] == [["float32", [2, 3]], ["float32", [2]], ["float32", [2]]]
+    assert honest["tensors"] == 3 and honest["parameters"] == 10 and _is_fingerprint(honest)
+    assert _is_fingerprint(model_fingerprint(model.named_parameters()))  # (no schema: still a fingerprint)
+    for bad in (
+        [["float32", [2, 3]], ["float32", [2]]],  # a tensor missing
+        [["float32", [2, 3]], ["float32", [2]], ["float32", [3]]],  # 11 values, not 10
+        [["int64", [2, 3]], ["float32", [2]], ["float32", [2]]],  # not a trainable dtype
+        [["float32", [2, -3]], ["float32", [2]], ["float32", [2]]],
+        [[["float32"], [2, 3]], ["float32", [2]], ["float32", [2]]],
+        "float32",
+    ):
+        assert not _is_fingerprint({**honest, "schema": bad}), bad
+    forged = {**honest, "digest": "f" * 32, "schema": [["float16", [2, 3]], ["float32", [2]], ["float32", [2]]]}
+    records = {"peer1": honest, "peer2": honest, "peer3": forged, "peer4": model_fingerprint(model.named_parameters())}
+    assert agreed_schema(records) == (honest["schema"], ["peer1", "peer2"])
+    assert agreed_schema({"peer4": records["peer4"]}) is None
 
 
 def test_aux_refuses_a_store_of_another_run(tmp_path, capsys):
@@ -278,7 +316,8 @@ def start_aux(tmp: Path, name: str, output_dir: Path, *extra: str) -> SimpleName
     """`trahiv aux` in a subprocess; returns once it printed its join addresses."""
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
-    config = {"dht": {"nat_port_map": False}, "opt": {"run_id": RUN_ID, "target_batch_size": TARGET}}
+    opt = {"run_id": RUN_ID, "target_batch_size": TARGET, "matchmaking_time": 2.0, "averaging_timeout": 30.0}  # theirs
+    config = {"dht": {"nat_port_map": False}, "opt": opt}
     command = [
         sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config), "--output-dir", str(output_dir),
         "--period", "0.5", "--max-steps", str(MAX_STEPS), "--addresses-file", str(out / "addresses.json"), *extra,
@@ -348,7 +387,7 @@ def swarm(tmp_path_factory, workdir):
     tmp = tmp_path_factory.mktemp("aux-swarm")
     output_dir = tmp / "aux-output"
     started = time.monotonic()
-    aux = start_aux(tmp, "aux", output_dir)
+    aux = start_aux(tmp, "aux", output_dir, "--average")  # it also helps the trainers average (auxiliary mode)
     peers = []
     try:
         common = dict(
@@ -450,6 +489,28 @@ def test_tensorboard_event_file_has_the_scalars(swarm):
     for step, value in loss.items():
         assert value == pytest.approx(rows[step]["loss"], rel=1e-5, abs=1e-6)
     assert {e.step: e.value for e in events.Scalars("swarm/active_peers")} == {s: 3.0 for s in rows}
+
+
+@pytest.mark.swarm
+def test_aux_peer_helps_average_the_gradients(swarm):
+    """`--average`: the aux peer reduces a share of every gradient round (weight 0) and the trainers' update is still
+    exactly the sample-weighted mean of their constant gradients (the toy model: +1, +2, -1)."""
+    log = swarm.aux.log.read_text()
+    assert "Averaging helper ready: 1 tensors, 4 values" in log, log[-3000:]
+    helped = re.findall(r"Averaging helper, step (\d+): complete averaging round with (\d) peers", log)
+    steps = {int(step) for step, size in helped if size == "4"}  # the three trainers and the aux peer
+    assert len(steps) >= MAX_STEPS - 1, log[-3000:]  # (the first step may form its group before the aux joins)
+    grads = {"a": 1.0, "b": 2.0, "c": -1.0}
+    peers = dict(zip("abc", swarm.peers, strict=True))
+    for step in sorted(steps):
+        weights = {}
+        for name, peer in peers.items():
+            rows = [r for r in peer.records("local") if r["epoch_before"] == step]
+            weights[name] = rows[-1]["pre_samples"] + rows[-1]["batch"]  # samples accumulated when averaging
+        delta = -sum(weights[n] * grads[n] for n in peers) / sum(weights.values())
+        for peer in peers.values():
+            before, after = peer.params_at().get(step, {"values": [0.0] * 4})["values"], peer.params_at()[step + 1]
+            assert after["values"] == pytest.approx([v + delta for v in before], abs=1e-5), (step, weights)
 
 
 @pytest.mark.swarm

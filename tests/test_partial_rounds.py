@@ -65,8 +65,9 @@ def local_values(rank: int) -> list[torch.Tensor]:
     return [torch.randn(SIZE // 3, generator=gen) + 10 * rank for _ in range(3)]
 
 
-def run_round(stack: ExitStack, faults: list[Fault], allreduce_timeout: float = 60.0):
-    """One averaging round of len(faults) peers; returns (seconds, results, reports, averagers) per peer."""
+def run_round(stack: ExitStack, faults: list[Fault], allreduce_timeout: float = 60.0, auxiliary: int | None = None):
+    """One averaging round of len(faults) peers (peer `auxiliary` in hivemind's auxiliary mode); returns (seconds,
+    results, reports, averagers) per peer."""
     first = stack.enter_context(_dht())
     peers = [first] + [stack.enter_context(_dht(first.get_visible_maddrs())) for _ in faults[1:]]
     averagers = []
@@ -74,7 +75,8 @@ def run_round(stack: ExitStack, faults: list[Fault], allreduce_timeout: float = 
         averager = faulty_averager(fault)(
             local_values(rank), dht=dht, prefix="partial", target_group_size=len(faults), min_group_size=len(faults),
             min_matchmaking_time=2.0, request_timeout=1.0, part_size_bytes=PART_BYTES,
-            allreduce_timeout=allreduce_timeout, deadlines=Deadlines(**vars(FAST)), start=True,
+            allreduce_timeout=allreduce_timeout, deadlines=Deadlines(**vars(FAST)), auxiliary=rank == auxiliary,
+            start=True,
         )  # fmt: skip
         stack.callback(averager.shutdown)
         averagers.append(averager)
@@ -145,6 +147,21 @@ def test_complete_round_is_reported_complete():
             assert [r.status for r in reports[rank]] == ["complete"], reports[rank]
             assert torch.allclose(tensors_of(averagers[rank]), expected, atol=1e-5)
             assert averagers[rank].round_counts == {"complete": 1, "partial": 0, "failed": 0}
+
+
+def test_auxiliary_peer_reduces_a_share_and_sends_nothing():
+    """hivemind 1.1.12 drops the group's modes before the all-reduce: its auxiliary peers send their own tensors with
+    weight 0 and receive the average. trahiv passes the modes on: the aux peer reduces a share of every tensor, sends
+    nothing of its own and receives nothing (its tensors stay as they were)."""
+    with ExitStack() as stack:
+        _, results, reports, averagers = run_round(stack, [Fault.NONE] * 3, auxiliary=2)
+        expected = torch.stack([torch.stack(local_values(r)) for r in range(2)]).mean(0).reshape(-1)
+        for rank in range(3):
+            assert isinstance(results[rank], dict), results[rank]
+            assert [(r.status, len(r.peers)) for r in reports[rank]] == [("complete", 3)], reports[rank]
+        for rank in range(2):
+            assert torch.allclose(tensors_of(averagers[rank]), expected, atol=1e-5)
+        assert torch.equal(tensors_of(averagers[2]), torch.cat(local_values(2)))
 
 
 def test_broken_stream_is_reported_partial_and_keeps_local_values():

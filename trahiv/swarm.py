@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,7 +25,7 @@ from trahiv.averaging import Aggregation, RobustGradientAverager, RobustTraining
 from trahiv.averaging.partial import Deadlines, ReportingGradientAverager, ReportingMixin, ReportingStateAverager
 from trahiv.averaging.power_sgd import RobustPowerSGDGradientAverager
 from trahiv.compression import make_compression
-from trahiv.config import DHTConfig, HivemindConfig
+from trahiv.config import DHTConfig, HivemindConfig, OptimizerConfig
 from trahiv.metrics import MetricsPublisher, MetricsRecord
 from trahiv.revert import RevertFollower, RevertWatcher
 
@@ -96,24 +97,60 @@ def join_addresses(dht: hivemind.DHT) -> list[str]:
     return [str(maddr) for maddr in dht.get_visible_maddrs()]
 
 
-def model_fingerprint(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """Names, shapes and dtypes of the trainable tensors: peers must agree on these to average."""
+def model_fingerprint(
+    named_parameters: Iterable[tuple[str, torch.Tensor]], swarm_tensors: Sequence[torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Names, shapes and dtypes of the trainable tensors: peers must agree on these to average. With `swarm_tensors`
+    (the trainable tensors in the order the swarm's optimizer gets them), also their `schema` ([dtype, shape] each):
+    an auxiliary peer that helps average builds its averager from it, without the model."""
     digest, count, numel = hashlib.sha256(), 0, 0
     for name, param in named_parameters:
         if param.requires_grad:
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
             count, numel = count + 1, numel + param.numel()
-    return {"digest": digest.hexdigest()[:32], "tensors": count, "parameters": numel}
+    fingerprint: dict[str, Any] = {"digest": digest.hexdigest()[:32], "tensors": count, "parameters": numel}
+    if swarm_tensors is not None:
+        fingerprint["schema"] = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in swarm_tensors]
+    return fingerprint
+
+
+SCHEMA_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # what trainable tensors can be
 
 
 def _is_fingerprint(value: Any) -> bool:
     return (
         isinstance(value, dict)
-        and set(value) == {"digest", "tensors", "parameters"}
+        and {"digest", "tensors", "parameters"} <= set(value) <= {"digest", "tensors", "parameters", "schema"}
         and isinstance(value["digest"], str)
         and len(value["digest"]) == 32
-        and all(isinstance(value[k], int) and value[k] >= 0 for k in ("tensors", "parameters"))
+        and all(type(value[k]) is int and value[k] >= 0 for k in ("tensors", "parameters"))
+        and ("schema" not in value or _is_schema(value["schema"], value["tensors"], value["parameters"]))
     )
+
+
+def _is_schema(schema: Any, tensors: int, parameters: int) -> bool:
+    """[[dtype, shape], ...]: `tensors` entries of known dtypes whose shapes hold `parameters` values in all."""
+    if not isinstance(schema, list) or len(schema) != tensors:
+        return False
+    total = 0
+    for entry in schema:
+        if not (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            return False
+        if entry[0] not in SCHEMA_DTYPES:
+            return False
+        shape = entry[1]
+        if not (isinstance(shape, list | tuple) and len(shape) <= 8 and all(type(d) is int and d > 0 for d in shape)):
+            return False
+        total += math.prod(shape)
+    return total == parameters
+
+
+def model_records(dht: hivemind.DHT, run_id: str) -> dict[str, dict[str, Any]]:
+    """Well-formed model fingerprints announced for run `run_id`, by peer (malformed records are ignored)."""
+    found = dht.get(f"{run_id}_model", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    values = {str(peer): getattr(entry, "value", None) for peer, entry in entries.items()}
+    return {peer: value for peer, value in values.items() if value is not None and _is_fingerprint(value)}
 
 
 class SwarmProgressTracker(ProgressTracker):
@@ -409,11 +446,7 @@ class Swarm:
         self.publish_model(force=True)
 
     def _model_records(self) -> dict[str, dict[str, Any]]:
-        """Well-formed model fingerprints announced for this run, by peer (malformed records are ignored)."""
-        found = self.dht.get(f"{self.run_id}_model", latest=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        values = {str(peer): getattr(entry, "value", None) for peer, entry in entries.items()}
-        return {peer: value for peer, value in values.items() if value is not None and _is_fingerprint(value)}
+        return model_records(self.dht, self.run_id)
 
     def model_peers(self) -> set[str]:
         """Peers (this one included) that announced a model for this run."""
@@ -454,33 +487,13 @@ class Swarm:
         opt = self.config.opt
         compressions = {"grad_compression", "state_averaging_compression", "load_state_compression"}
         kwargs = opt.model_dump(exclude=compressions | {"batch_size_per_step"} | opt.TRAHIV_ONLY)
-        # matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)
-        request_timeout = min(3.0, opt.matchmaking_time / 2)
-        kwargs["averager_opts"] = {"request_timeout": request_timeout, **opt.averager_opts}
+        kwargs["averager_opts"] = {"request_timeout": request_timeout(opt), **opt.averager_opts}
         gate = AuthGate(self.run_id, self.auth.experiment_public_key) if self.auth is not None else None
         if gate is not None:  # matchmaking, all-reduce and state download serve only peers with valid tokens
             kwargs["state_averager_cls"] = gated(SwarmOptimizer.state_averager_cls, gate)
         if not opt.use_local_updates:
-            kwargs["grad_averager_factory"] = partial(
-                gated(self.grad_averager_cls, gate),
-                request_timeout=request_timeout,
-                aggregation=Aggregation(**opt.aggregation.model_dump()),
-                progress_key=f"{opt.run_id}_progress",  # weights are clamped to the samples each peer reported
-            )
-            if issubclass(self.grad_averager_cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
-                kwargs["grad_averager_factory"] = partial(kwargs["grad_averager_factory"], deadlines=Deadlines())
-            if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
-                kwargs["grad_averager_factory"] = partial(
-                    gated(RobustPowerSGDGradientAverager, gate),
-                    averager_rank=opt.power_sgd_rank,
-                    request_timeout=request_timeout,
-                    progress_key=f"{opt.run_id}_progress",
-                    deadlines=Deadlines(),
-                )
-        # peers must notice that the swarm moved on while the averaging group is still forming
-        refresh = min(10.0, opt.matchmaking_time / 2)
-        kwargs["tracker_opts"] = {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
-                                  "min_refresh_period": min(0.5, refresh), **opt.tracker_opts}  # fmt: skip
+            kwargs["grad_averager_factory"] = grad_averager_factory(opt, gate, self.grad_averager_cls)
+        kwargs["tracker_opts"] = tracker_opts(opt)
         with engine.children_ignore_sigint():
             self.optimizer = SwarmOptimizer(
                 dht=self.dht,
@@ -583,3 +596,44 @@ class Swarm:
                 engine.kill_descendants(process.pid)
                 process.kill()
                 process.join(1.0)
+
+
+# --- how every peer of a swarm builds its averagers (trainers, and the auxiliary peer that helps average) -------------
+
+
+def request_timeout(opt: OptimizerConfig) -> float:
+    """Matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)."""
+    return min(3.0, opt.matchmaking_time / 2)
+
+
+def tracker_opts(opt: OptimizerConfig) -> dict[str, Any]:
+    """Progress refresh periods: peers must notice that the swarm moved on while the averaging group still forms."""
+    refresh = min(10.0, opt.matchmaking_time / 2)
+    return {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
+            "min_refresh_period": min(0.5, refresh), **opt.tracker_opts}  # fmt: skip
+
+
+def grad_averager_factory(
+    opt: OptimizerConfig, gate: AuthGate | None, cls: type[RobustGradientAverager] = ReportingGradientAverager
+) -> Callable[..., RobustGradientAverager]:
+    """The swarm's gradient averager (hivemind.Optimizer's `grad_averager_factory`): robust aggregation, weights
+    clamped to the samples each peer reported, partial rounds reported under payload-based deadlines, PowerSGD when
+    asked, and (moderated swarms) only token holders served."""
+    progress_key = f"{opt.run_id}_progress"  # weights are clamped to the samples each peer reported there
+    if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
+        return partial(
+            gated(RobustPowerSGDGradientAverager, gate),
+            averager_rank=opt.power_sgd_rank,
+            request_timeout=request_timeout(opt),
+            progress_key=progress_key,
+            deadlines=Deadlines(),
+        )
+    factory = partial(
+        gated(cls, gate),
+        request_timeout=request_timeout(opt),
+        aggregation=Aggregation(**opt.aggregation.model_dump()),
+        progress_key=progress_key,
+    )
+    if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
+        factory = partial(factory, deadlines=Deadlines())
+    return factory

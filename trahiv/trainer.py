@@ -171,7 +171,9 @@ class Trainer(transformers.Trainer):
 
             swarm.metrics_publisher.device = device_kind(self.args.device)
         try:
-            swarm.check_model(model_fingerprint(self.model.named_parameters()))  # type: ignore[union-attr]
+            model: Any = self.model
+            tensors = [p for group in self._parameter_groups(model) for p in group["params"]]  # the swarm's order
+            swarm.check_model(model_fingerprint(model.named_parameters(), tensors))
         except BaseException:
             swarm.shutdown()
             raise

@@ -17,11 +17,9 @@ The keeper needs the swarm's model (`model`: a local folder or a cached Hub name
 local files only; a folder with only `config.json` gives the architecture). It computes nothing: no gradients, CPU.
 It accepts any optimizer the trainers use, since it keeps the optimizer state in hivemind's flat form.
 
-Not offered: helping the trainers average in hivemind's auxiliary mode (`hivemind.Optimizer(auxiliary=True)`). In
-hivemind 1.1.12 that optimizer brings its own `{run_id}_state_averager` to the peer, with the same RPC names and the
-same state declaration (DHT subkey = the peer ID) as this keeper's server, and in auxiliary mode it declares that it
-shares nothing: one peer cannot both serve state and assist. Its parameters also stay stale while its state-sharing
-priority follows the swarm's step, so it must not serve state either.
+Helping the trainers average is a separate service (`trahiv.auxiliary.helper`, `trahiv aux --average`), not
+`hivemind.Optimizer(auxiliary=True)`: in hivemind 1.1.12 that optimizer brings its own `{run_id}_state_averager` to
+the peer, with the same RPC names and the same state declaration (DHT subkey = the peer ID) as this keeper's server.
 """
 
 from __future__ import annotations

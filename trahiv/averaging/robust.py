@@ -297,8 +297,11 @@ async def run_robust_allreduce_(
     runner_cls: type[RobustAllReduceRunner] | None = None,
     **kwargs: Any,
 ) -> None:
-    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner (or `runner_cls`)."""
+    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner (or `runner_cls`), and
+    the group's averaging modes (hivemind 1.1.12 reads them from the group, then does not pass them on: an auxiliary
+    peer then runs as a sender of zeros, weight 0, and receives the averaged values)."""
     group_id = group_info.group_id if group_id is None else group_id
+    kwargs.setdefault("modes", group_modes(averager, group_info))
     runner = (runner_cls or RobustAllReduceRunner)(
         aggregation=aggregation,
         p2p=averager._p2p,
@@ -320,6 +323,11 @@ async def run_robust_allreduce_(
         tensor.add_(update, alpha=averager._averaging_alpha)
         averager.last_updated = get_dht_time()
         averager._state_updated.set()
+
+
+def group_modes(averager: Any, group_info: Any) -> tuple[AveragingMode, ...]:
+    """Each group member's averaging mode (node, client, auxiliary), from the data gathered at matchmaking."""
+    return tuple(AveragingMode(averager.serializer.loads(data)[1]) for data in group_info.gathered)
 
 
 def reported_sample_caps(records: Any, peers: Sequence[PeerID], now: float) -> dict[PeerID, float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 EXTENSIONS: tuple[str, ...] = (  # each adds flags and attaches a service
     "trahiv.auxiliary.dashboard_service",
     "trahiv.auxiliary.state",
+    "trahiv.auxiliary.helper",
 )
 
 

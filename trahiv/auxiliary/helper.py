@@ -1,0 +1,285 @@
+"""The auxiliary peer helps the trainers average gradients: `trahiv aux --average`.
+
+hivemind's auxiliary mode: the peer joins the trainers' gradient all-reduce with weight 0. It sends nothing of its
+own, but reduces a share of every tensor (by bandwidth, like any group member) and sends the result back, so each
+trainer moves less data. It computes no gradients and needs no GPU, nor the model: the averager is built from the
+tensor schema (dtype and shape of each trainable tensor, in the optimizer's order) that trainers publish with their
+model fingerprint (`trahiv.swarm.model_fingerprint`); the schema most trainers agree on is used.
+
+The helper's averager is the trainers' (`trahiv.swarm.grad_averager_factory`, the same config): the part it reduces
+is aggregated with the swarm's `aggregation` (CenteredClip...), garbage is excluded, each sender's weight is clamped
+to the samples it reported, its rounds are reported (complete / partial / failed) under the same deadlines, and in a
+moderated swarm it serves only token holders. It follows the swarm's progress with a tracker that publishes nothing
+(an aux peer is not counted among the trainers): it looks for a group when the next collaborative step is due within
+`matchmaking_time` (declaring a later time than the trainers, so that it joins their group rather than leading one),
+and joins the all-reduce once the trainers reported `target_batch_size` samples. If it falls behind (the swarm moved
+on), it skips to the swarm's step without averaging; it helps from the first step it sees coming.
+
+Not offered with PowerSGD (`power_sgd_rank`: hivemind's PowerSGD averager has no auxiliary mode) nor for swarms that
+average parameters only (`use_local_updates`): `attach` refuses those with the reason.
+
+Not hivemind.Optimizer(auxiliary=True): in hivemind 1.1.12 that optimizer also brings a state averager under the
+name the state keeper serves state with (see trahiv.auxiliary.keeper), and needs the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from trahiv.config import HivemindConfig
+
+if TYPE_CHECKING:
+    from trahiv.auxiliary.peer import AuxPeer
+
+logger = logging.getLogger("trahiv.auxiliary.helper")
+
+__all__ = ["AveragingHelper", "add_arguments", "agreed_schema", "attach", "check_config"]
+
+TICK = 0.05  # seconds between looks at the swarm's progress while a step is due
+SCHEMA_POLL = 1.0  # seconds between looks for the trainers' tensor schema before the first trainer arrives
+
+
+def check_config(config: HivemindConfig) -> None:
+    """Refuse swarm settings the helper cannot serve, with the reason."""
+    opt = config.opt
+    if opt.use_local_updates:
+        raise ValueError(
+            "--average helps average gradients, and this swarm averages parameters only (use_local_updates=True)"
+        )
+    if opt.power_sgd_rank is not None:
+        raise ValueError(
+            "--average cannot help a PowerSGD swarm (power_sgd_rank): hivemind's PowerSGD averager has no "
+            "auxiliary mode. Drop --average, or power_sgd_rank"
+        )
+
+
+def agreed_schema(records: dict[str, dict[str, Any]]) -> tuple[list[list[Any]], list[str]] | None:
+    """The tensor schema most trainers published with their model fingerprint, and the peers that published it
+    (None before any trainer published one). A schema is [[dtype, shape], ...] in the optimizer's order."""
+    votes: Counter[str] = Counter()
+    by_key: dict[str, tuple[list[list[Any]], list[str]]] = {}
+    for peer, fingerprint in sorted(records.items()):
+        schema = fingerprint.get("schema")
+        if schema is None:
+            continue
+        key = repr((fingerprint["digest"], schema))
+        votes[key] += 1
+        by_key.setdefault(key, (schema, []))[1].append(peer)
+    if not votes:
+        return None
+    return by_key[votes.most_common(1)[0][0]]
+
+
+class AveragingHelper:
+    """An AuxPeer service (`start(peer)` / `stop()`), or `start_with(dht, config, gate)` without an AuxPeer."""
+
+    def __init__(self) -> None:
+        self.config: HivemindConfig | None = None
+        self.averager: Any = None
+        self.tracker: Any = None
+        self.schema_peers: list[str] = []
+        self.rounds: Counter[str] = Counter()  # complete / partial / failed rounds this peer took part in
+        self.skipped = 0  # collaborative steps the swarm took without this peer (it fell behind or had no group)
+        self._dht: Any = None
+        self._gate: Any = None
+        self._control: Any = None
+        self._next_refresh = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, peer: AuxPeer) -> None:
+        self.start_with(peer.dht, peer.config, gate=peer.auth_gate())
+
+    def start_with(self, dht: Any, config: HivemindConfig, gate: Any = None) -> None:
+        check_config(config)
+        self._dht, self.config, self._gate = dht, config, gate
+        self._thread = threading.Thread(target=self._loop, name="trahiv-averaging-helper", daemon=True)
+        self._thread.start()
+        logger.info(f"Helping swarm {config.opt.run_id!r} average gradients (auxiliary mode)")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        control, self._control = self._control, None
+        if control is not None and not control.done():
+            control.cancel()
+        try:
+            if self.tracker is not None:
+                _stop_tracker(self.tracker, timeout)
+            if self.averager is not None:
+                self.averager.shutdown()
+        except Exception as e:
+            logger.warning(f"Stopping the averaging helper failed: {e!r}")
+        self.tracker = self.averager = None
+        logger.info(f"Averaging helper stopped: rounds {dict(self.rounds)}, steps skipped {self.skipped}")
+
+    # --- the loop -------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.averager is None:
+                    if not self._build():
+                        self._stop.wait(SCHEMA_POLL)
+                        continue
+                self._tick()
+            except Exception as e:  # a failed round or a DHT hiccup must not stop the aux peer
+                logger.warning(f"Averaging helper: {e!r}", exc_info=True)
+                self._stop.wait(1.0)
+            self._stop.wait(TICK)
+
+    def _build(self) -> bool:
+        """Start the averager and the tracker once a trainer published the swarm's tensor schema."""
+        import torch
+
+        from trahiv import engine
+        from trahiv.compression import make_compression
+        from trahiv.swarm import SwarmProgressTracker, grad_averager_factory, tracker_opts
+
+        assert self.config is not None
+        opt = self.config.opt
+        found = agreed_schema(self._model_records())
+        if found is None:
+            return False
+        schema, self.schema_peers = found
+        # parameters that hold no values (zero strides): the averager needs only their shapes and dtypes
+        parameters = [
+            torch.nn.Parameter(torch.zeros((), dtype=getattr(torch, dtype)).expand(*shape)) for dtype, shape in schema
+        ]
+        factory = grad_averager_factory(opt, self._gate)
+        with engine.children_ignore_sigint():
+            self.averager = factory(
+                dht=self._dht,
+                prefix=f"{opt.run_id}_grad_averager",
+                parameters=parameters,
+                min_matchmaking_time=opt.matchmaking_time,
+                allreduce_timeout=opt.allreduce_timeout or opt.averaging_timeout,
+                shutdown_timeout=opt.shutdown_timeout,
+                next_chunk_timeout=opt.next_chunk_timeout or opt.matchmaking_time,
+                reuse_grad_buffers=True,  # no gradient accumulators: an auxiliary peer accumulates nothing
+                compression=make_compression(opt.grad_compression),
+                client_mode=False,
+                auxiliary=True,
+                warn=False,  # ("results not used": an auxiliary peer has none)
+                min_group_size=3,  # should it lead a group after all: itself and at least two trainers
+                start=True,
+            )
+            self.tracker = SwarmProgressTracker(
+                dht=self._dht,
+                prefix=opt.run_id,
+                target_batch_size=opt.target_batch_size,
+                client_mode=False,
+                start=True,
+                **tracker_opts(opt),
+            )
+        values = sum(int(p.numel()) for p in parameters)
+        logger.info(
+            f"Averaging helper ready: {len(schema)} tensors, {values:,} values (schema of peers "
+            f"{', '.join(self.schema_peers)})"
+        )
+        return True
+
+    def _model_records(self) -> dict[str, dict[str, Any]]:
+        from trahiv.swarm import model_records
+
+        assert self.config is not None
+        return model_records(self._dht, self.config.opt.run_id)
+
+    def _tick(self) -> None:
+        assert self.config is not None
+        from hivemind.averaging.control import AveragingStage
+        from hivemind.utils import get_dht_time
+
+        opt, tracker, control = self.config.opt, self.tracker, self._control
+        pending = control is not None and not control.triggered and not control.done()
+        eta = tracker.global_progress.eta_next_epoch - get_dht_time()
+        in_group = pending and control.stage == AveragingStage.AWAITING_TRIGGER
+        if (eta <= 0 or in_group or tracker.ready_to_update_epoch) and time.monotonic() >= self._next_refresh:
+            # due, or the trainers' group (this peer included) waits for the samples, or they are averaging: look at
+            # the progress now, not at the tracker's next fetch (trainers would wait for this peer's share)
+            self._next_refresh = time.monotonic() + 2 * TICK
+            tracker.refresh_now()
+        local, swarm = tracker.local_progress.epoch, tracker.global_epoch
+        if swarm > local:  # the trainers moved on: this step's round is over, with or without this peer
+            self._next_step(swarm, skipped=True)
+        elif tracker.ready_to_update_epoch:  # the trainers reached the step's samples: they average now
+            if pending:
+                self._control = None
+                self._average(control, local)
+                self._next_step(local + 1)
+            # else: they average without this peer. No new group before they moved on (it would join theirs).
+        elif len(tracker.active_peers) >= 2 and eta <= opt.matchmaking_time and not pending:
+            # (this peer publishes no progress: only trainers are counted, and they average only with another one)
+            # A later declared time than any trainer's: in hivemind's matchmaking a peer only joins leaders that
+            # declared an earlier time, so this peer joins the trainers' group and never leads one of its own
+            # (a group of itself and one trainer would average nothing)
+            later = get_dht_time() + min(2 * opt.matchmaking_time, opt.averaging_timeout / 2)
+            self._control = self.averager.schedule_step(scheduled_time=later, timeout=opt.averaging_timeout)
+
+    def _next_step(self, epoch: int, skipped: bool = False) -> None:
+        control, self._control = self._control, None
+        if skipped:
+            if control is not None and not control.done():
+                control.cancel()
+            self.skipped += 1
+            if epoch > self.tracker.local_progress.epoch + 1:
+                logger.info(f"Averaging helper: the swarm is at step {epoch}, following it")
+        with self.tracker.pause_updates():
+            self.tracker.update_epoch(epoch)
+
+    def _average(self, control: Any, step: int) -> None:
+        opt = self.config.opt if self.config is not None else None
+        assert opt is not None
+        try:
+            self.averager.step(control=control, wait=True, timeout=opt.averaging_timeout)
+        except BaseException as e:
+            if not control.done():
+                control.cancel()
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            logger.info(f"Averaging helper, step {step}: no round ({e!r})")
+            self.rounds["failed"] += 1
+            self.averager.round_reports()
+            return
+        reports = self.averager.round_reports()
+        if not reports:
+            self.rounds["failed"] += 1
+            logger.info(f"Averaging helper, step {step}: the round ended without a report")
+        for report in reports:
+            self.rounds[report.status] += 1
+            logger.info(f"Averaging helper, step {step}: {report.describe()}")
+
+
+def _stop_tracker(tracker: Any, timeout: float) -> None:
+    """ProgressTracker.shutdown() without its last DHT store (it withdraws this peer's progress record, which a peer
+    that reports no samples never published; hivemind drops that store's future, and the DHT process then logs an
+    error reading it while this process exits)."""
+    tracker.shutdown_triggered.set()
+    tracker.should_report_progress.set()
+    tracker.global_state_updated.set()
+    tracker.shutdown_complete.wait(timeout)
+
+
+# --- `trahiv aux` flags -------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("averaging")
+    group.add_argument(
+        "--average",
+        action="store_true",
+        help="help the trainers average gradients (hivemind's auxiliary mode: reduces a share, computes nothing)",
+    )
+
+
+def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
+    if not args.average:
+        return
+    check_config(peer.config)
+    peer.add_service(AveragingHelper())
