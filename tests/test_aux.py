@@ -1,10 +1,10 @@
 """The auxiliary peer: metrics records, the collector, the store, TensorBoard, and `trahiv aux` with three trainers.
 
 The swarm test shares one run (module fixture): `trahiv aux --average` starts first, as the swarm's entry point; three
-toy trainers join through it, publish their metrics and average their gradients with its help; meanwhile an attacker
-writes a record for another peer's key, a record claiming another peer's ID, and a malformed record. The tests then
-read the store, the trainers' own logs of what they published and of their weights, the aux peer's log, and the
-TensorBoard event file; the last one restarts the aux peer on the same store.
+toy trainers in client mode join through it, publish their metrics and average their gradients through it;
+meanwhile an attacker writes a record for another peer's key, a record claiming another peer's ID, and a malformed
+record. The tests then read the store, the trainers' own logs of what they published and of their weights, the aux
+peer's log, and the TensorBoard event file; the last one restarts the aux peer on the same store.
 """
 
 from __future__ import annotations
@@ -393,6 +393,7 @@ def swarm(tmp_path_factory, workdir):
         common = dict(
             workdir=str(workdir), run_id=RUN_ID, target=TARGET, max_steps=MAX_STEPS, initial_peers=aux.initial_peers,
             sleep_per_step=0.2, opt={"min_peers": 3, "min_peers_timeout": 90},
+            dht={"client_mode": True},  # volunteers behind NAT: only the aux peer accepts connections and can reduce
         )  # fmt: skip
         peers = [
             start_peer(tmp, "a", batch_size=4, toy_grad=1.0, metrics={"name": "alice"}, **common),
@@ -493,8 +494,9 @@ def test_tensorboard_event_file_has_the_scalars(swarm):
 
 @pytest.mark.swarm
 def test_aux_peer_helps_average_the_gradients(swarm):
-    """`--average`: the aux peer reduces a share of every gradient round (weight 0) and the trainers' update is still
-    exactly the sample-weighted mean of their constant gradients (the toy model: +1, +2, -1)."""
+    """`--average` with three trainers in client mode (behind NAT: they cannot lead a group nor reduce, so without a
+    helper they could not average at all): the aux peer leads every gradient round and reduces all of it (weight 0),
+    and the trainers' update is exactly the sample-weighted mean of their constant gradients (toy model: +1, +2, -1)."""
     log = swarm.aux.log.read_text()
     assert "Averaging helper ready: 1 tensors, 4 values" in log, log[-3000:]
     helped = re.findall(r"Averaging helper, step (\d+): complete averaging round with (\d) peers", log)

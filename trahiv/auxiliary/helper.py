@@ -206,21 +206,38 @@ class AveragingHelper:
             self._next_refresh = time.monotonic() + 2 * TICK
             tracker.refresh_now()
         local, swarm = tracker.local_progress.epoch, tracker.global_epoch
+        trainers = len(tracker.active_peers)  # (this peer publishes no progress: only trainers are counted)
+        can_lead = any(not record.client_mode for record in tracker.active_peers.values())
         if swarm > local:  # the trainers moved on: this step's round is over, with or without this peer
             self._next_step(swarm, skipped=True)
         elif tracker.ready_to_update_epoch:  # the trainers reached the step's samples: they average now
+            if not pending and trainers >= 2 and not can_lead:
+                # only clients, which cannot form a group without this peer: they wait for a leader, lead now
+                control, pending = self._schedule(opt.matchmaking_time), True
+                logger.info(f"Averaging helper, step {local}: the trainers (all in client mode) wait for a leader")
             if pending:
                 self._control = None
                 self._average(control, local)
                 self._next_step(local + 1)
             # else: they average without this peer. No new group before they moved on (it would join theirs).
-        elif len(tracker.active_peers) >= 2 and eta <= opt.matchmaking_time and not pending:
+        elif trainers >= 2 and eta <= opt.matchmaking_time and not pending:
             # (this peer publishes no progress: only trainers are counted, and they average only with another one)
-            # A later declared time than any trainer's: in hivemind's matchmaking a peer only joins leaders that
-            # declared an earlier time, so this peer joins the trainers' group and never leads one of its own
-            # (a group of itself and one trainer would average nothing)
-            later = get_dht_time() + min(2 * opt.matchmaking_time, opt.averaging_timeout / 2)
-            self._control = self.averager.schedule_step(scheduled_time=later, timeout=opt.averaging_timeout)
+            # If a trainer can lead a group (not in client mode), declare a later time than any trainer's: in
+            # hivemind's matchmaking a peer only joins leaders that declared an earlier time, so this peer joins the
+            # trainers' group rather than leading one of its own (a group of itself and one trainer would average
+            # nothing). If all trainers are in client mode, this peer leads, with the trainers' timing.
+            self._schedule(
+                min(2 * opt.matchmaking_time, opt.averaging_timeout / 2) if can_lead else opt.matchmaking_time
+            )
+
+    def _schedule(self, wait: float) -> Any:
+        """Look for a group, declaring that the round begins in `wait` seconds."""
+        from hivemind.utils import get_dht_time
+
+        assert self.config is not None
+        timeout = self.config.opt.averaging_timeout
+        self._control = self.averager.schedule_step(scheduled_time=get_dht_time() + wait, timeout=timeout)
+        return self._control
 
     def _next_step(self, epoch: int, skipped: bool = False) -> None:
         control, self._control = self._control, None
