@@ -1,7 +1,7 @@
-"""The auxiliary peer in a moderated swarm, with real processes on 127.0.0.1: an auth server, `trahiv aux` with a
-user token, and a trainer with its own. The aux peer authenticates, collects the trainer's metrics, downloads its
-state through the auth gate and saves a checkpoint; with an unknown or banned token it fails at start with the
-server's reason (exit code 2)."""
+"""The auxiliary peer in a moderated swarm, with real processes on 127.0.0.1: an auth server, `trahiv aux --average`
+with a user token, and two trainers with their own. The aux peer authenticates, collects the trainers' metrics,
+downloads their state through the auth gate, saves a checkpoint and helps them average (through their gates, and they
+through its); with an unknown or banned token it fails at start with the server's reason (exit code 2)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path
     command = [
         sys.executable, "-m", "trahiv.cli.main", "aux", "--config", _config(server, _add_user(server, "keeper")),
         "--output-dir", str(out), "--report-to", "none", "--addresses-file", str(addresses), "--period", "1",
-        "--model", str(workdir / "model"), "--checkpoint-every", "1", "--state-poll", "0.5",
+        "--model", str(workdir / "model"), "--checkpoint-every", "1", "--state-poll", "0.5", "--average",
     ]  # fmt: skip
     aux = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
@@ -81,28 +81,36 @@ def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path
             return json.loads(addresses.read_text()) if addresses.exists() and addresses.stat().st_size else None
 
         initial_peers = wait_for(joined, 90, "the aux peer")
-        auth = {"server": server.url, "token": _add_user(server, "alice")}
-        trainer = start_peer(tmp_path, "alice", workdir=str(workdir), run_id=RUN, target=16, max_steps=200,
-                             batch_size=8, sleep_per_step=0.5, auth=auth, initial_peers=initial_peers)  # fmt: skip
-        try:  # the trainer keeps training (and serving its state) until the aux peer saved a checkpoint
-            trainer.ready(timeout=120)
+        trainers = [
+            start_peer(tmp_path, name, workdir=str(workdir), run_id=RUN, target=16, max_steps=200, batch_size=8,
+                       sleep_per_step=0.5, auth={"server": server.url, "token": _add_user(server, name)},
+                       initial_peers=initial_peers, opt={"min_peers": 2})
+            for name in ("alice", "bob")
+        ]  # fmt: skip
+        try:  # the trainers keep training (and serving their state) until the aux peer saved a checkpoint
+            for trainer in trainers:
+                trainer.ready(timeout=120)
             checkpoints = out / "checkpoints"
-            saved = wait_for(lambda: trainer._check_alive() and list_checkpoints(checkpoints), 90, "a checkpoint")
+            alive = lambda: all(t._check_alive() for t in trainers)  # noqa: E731
+            saved = wait_for(lambda: alive() and list_checkpoints(checkpoints), 90, "a checkpoint")
+            helped = "complete averaging round with 3 peers"  # both trainers and the aux peer, through the gates
+            wait_for(lambda: alive() and helped in log.read_text(errors="replace"), 90, "a round the aux peer helped")
             store = MetricsStore(default_store_url(out))
             try:
-                steps = wait_for(lambda: [row["step"] for row in store.steps()], 30, "the trainer's steps in the store")
+                steps = wait_for(lambda: [row["step"] for row in store.steps()], 30, "the trainers' steps in the store")
                 names = {row["name"] for row in store.contributors()}
             finally:
                 store.close()
         finally:
-            stop(trainer.process)
+            for trainer in trainers:
+                stop(trainer.process)
     finally:
         stop(aux)
     text = log.read_text(errors="replace")
     assert aux.returncode == 0, text[-3000:]
     assert f"Authenticated as 'keeper' for '{RUN}'" in text
     assert steps and min(steps) >= 1, steps
-    assert names == {"alice"}  # metrics records carry the trainer's username
+    assert names == {"alice", "bob"}  # metrics records carry the trainers' usernames
     checkpoint = load_checkpoint(saved[-1])  # downloaded from the trainer through its auth gate
     assert checkpoint.run_id == RUN and checkpoint.step >= 1
     assert (Path(checkpoint.path) / "model.safetensors").exists()
