@@ -148,10 +148,13 @@ class AveragingHelper:
         if found is None:
             return False
         schema, self.schema_peers = found
-        # parameters that hold no values (zero strides): the averager needs only their shapes and dtypes
+        # parameters that hold no values (zero strides): the averager needs only their shapes and dtypes; their
+        # gradient buffers are the averaged tensors (one copy of the trainable tensors in memory, in all)
         parameters = [
             torch.nn.Parameter(torch.zeros((), dtype=getattr(torch, dtype)).expand(*shape)) for dtype, shape in schema
         ]
+        for param in parameters:
+            param.grad = torch.zeros(param.shape, dtype=param.dtype)
         factory = grad_averager_factory(opt, self._gate)
         with engine.children_ignore_sigint():
             self.averager = factory(
@@ -163,6 +166,7 @@ class AveragingHelper:
                 shutdown_timeout=opt.shutdown_timeout,
                 next_chunk_timeout=opt.next_chunk_timeout or opt.matchmaking_time,
                 reuse_grad_buffers=True,  # no gradient accumulators: an auxiliary peer accumulates nothing
+                averaged_grads=tuple(param.grad for param in parameters),
                 compression=make_compression(opt.grad_compression),
                 client_mode=False,
                 auxiliary=True,
