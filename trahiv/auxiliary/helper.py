@@ -42,6 +42,7 @@ __all__ = ["AveragingHelper", "add_arguments", "agreed_schema", "attach", "check
 
 TICK = 0.05  # seconds between looks at the swarm's progress while a step is due
 SCHEMA_POLL = 1.0  # seconds between looks for the trainers' tensor schema before the first trainer arrives
+WAITING_LOG_PERIOD = 60.0  # seconds between "waiting for a trainer" lines
 
 
 def check_config(config: HivemindConfig) -> None:
@@ -89,6 +90,7 @@ class AveragingHelper:
         self._gate: Any = None
         self._control: Any = None
         self._next_refresh = 0.0
+        self._next_waiting_log = time.monotonic() + 10.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -144,8 +146,15 @@ class AveragingHelper:
 
         assert self.config is not None
         opt = self.config.opt
-        found = agreed_schema(self._model_records())
+        records = self._model_records()
+        found = agreed_schema(records)
         if found is None:
+            if time.monotonic() >= self._next_waiting_log:
+                self._next_waiting_log = time.monotonic() + WAITING_LOG_PERIOD
+                logger.info(
+                    "Averaging helper: waiting for a trainer of this run to publish its tensor schema (trainers do "
+                    f"when they start; {len(records)} model record(s) without one so far)"
+                )
             return False
         schema, self.schema_peers = found
         # parameters that hold no values (zero strides): the averager needs only their shapes and dtypes; their
