@@ -166,7 +166,7 @@ class AveragingHelper:
             param.grad = torch.zeros(param.shape, dtype=param.dtype)
         factory = grad_averager_factory(opt, self._gate)
         with engine.children_ignore_sigint():
-            self.averager = factory(
+            averager = factory(
                 dht=self._dht,
                 prefix=f"{opt.run_id}_grad_averager",
                 parameters=parameters,
@@ -183,14 +183,19 @@ class AveragingHelper:
                 min_group_size=3,  # should it lead a group after all: itself and at least two trainers
                 start=True,
             )
-            self.tracker = SwarmProgressTracker(
-                dht=self._dht,
-                prefix=opt.run_id,
-                target_batch_size=opt.target_batch_size,
-                client_mode=False,
-                start=True,
-                **tracker_opts(opt),
-            )
+            try:
+                tracker = SwarmProgressTracker(
+                    dht=self._dht,
+                    prefix=opt.run_id,
+                    target_batch_size=opt.target_batch_size,
+                    client_mode=False,
+                    start=True,
+                    **tracker_opts(opt),
+                )
+            except BaseException:
+                averager.shutdown()
+                raise
+        self.averager, self.tracker = averager, tracker  # both, or neither (the loop tries again)
         values = sum(int(p.numel()) for p in parameters)
         logger.info(
             f"Averaging helper ready: {len(schema)} tensors, {values:,} values (schema of peers "
