@@ -398,7 +398,7 @@ def swarm(tmp_path_factory, workdir):
         peers = [
             start_peer(tmp, "a", batch_size=4, toy_grad=1.0, metrics={"name": "alice"}, **common),
             start_peer(tmp, "b", batch_size=2, toy_grad=2.0, metrics={"name": "bob"}, **common),
-            start_peer(tmp, "c", batch_size=6, toy_grad=-1.0, **common),
+            start_peer(tmp, "c", batch_size=6, toy_grad=3.0, **common),  # (all > 0: their mean cannot cancel out)
         ]
         ids = [peer.ready(120)["peer_id"] for peer in peers]
         store = MetricsStore(default_store_url(output_dir))  # the aux peer's SQLite file, read while it writes
@@ -496,13 +496,13 @@ def test_tensorboard_event_file_has_the_scalars(swarm):
 def test_aux_peer_helps_average_the_gradients(swarm):
     """`--average` with three trainers in client mode (behind NAT: they cannot lead a group nor reduce, so without a
     helper they could not average at all): the aux peer leads every gradient round and reduces all of it (weight 0),
-    and the trainers' update is exactly the sample-weighted mean of their constant gradients (toy model: +1, +2, -1)."""
+    and the trainers' update is exactly the sample-weighted mean of their constant gradients (toy model: 1, 2, 3)."""
     log = swarm.aux.log.read_text()
     assert "Averaging helper ready: 1 tensors, 4 values" in log, log[-3000:]
     helped = re.findall(r"Averaging helper, step (\d+): complete averaging round with (\d) peers", log)
     steps = {int(step) for step, size in helped if size == "4"}  # the three trainers and the aux peer
     assert len(steps) >= MAX_STEPS - 1, log[-3000:]  # (the first step may form its group before the aux joins)
-    grads = {"a": 1.0, "b": 2.0, "c": -1.0}
+    grads = {"a": 1.0, "b": 2.0, "c": 3.0}
     peers = dict(zip("abc", swarm.peers, strict=True))
     for step in sorted(steps):
         weights = {}
