@@ -24,13 +24,16 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
         sleep_per_step=0.15,
     )
     try:
-        a = start_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
-        b = start_peer(tmp_path, "b", opt={"min_peers": 2}, poison_state=True, **common)  # serves NaN weights
+        # parameters averaged every 2 steps: a joiner that missed a group is back in step before a leaves
+        a = start_peer(tmp_path, "a", opt={"min_peers": 2, "average_state_every": 2}, **common)
+        b = start_peer(
+            tmp_path, "b", opt={"min_peers": 2, "average_state_every": 2}, poison_state=True, **common
+        )  # serves NaN weights
         a.wait_step(3)
 
         # a peer that joins late downloads the swarm's state first, then trains in step with the others; the state
         # b serves (NaN weights, at the highest priority) is rejected, and a's is loaded instead
-        c = start_peer(tmp_path, "c", **common)
+        c = start_peer(tmp_path, "c", opt={"average_state_every": 2}, **common)
         start = c.ready()["start_step"]
         assert start >= 3, "the late peer did not catch up with the swarm"
         a.wait_step(start)
