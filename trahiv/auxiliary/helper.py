@@ -84,7 +84,7 @@ class AveragingHelper:
         self.averager: Any = None
         self.tracker: Any = None
         self.schema_peers: list[str] = []
-        self.rounds: Counter[str] = Counter()  # complete / partial / failed rounds this peer took part in
+        self.rounds: dict[str, int] = {}  # complete / partial / failed rounds it took part in (the averager's reports)
         self.skipped = 0  # collaborative steps the swarm took without this peer (it fell behind or had no group)
         self._dht: Any = None
         self._gate: Any = None
@@ -115,6 +115,8 @@ class AveragingHelper:
             if self.tracker is not None:
                 _stop_tracker(self.tracker, timeout)
             if self.averager is not None:
+                self.averager.round_reports()  # the last reports, into round_counts
+                self.rounds = dict(self.averager.round_counts)
                 self.averager.shutdown()
         except Exception as e:
             logger.warning(f"Stopping the averaging helper failed: {e!r}")
@@ -278,17 +280,12 @@ class AveragingHelper:
                 control.cancel()
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
+            self.skipped += 1  # no group (a round that began and failed is also reported below)
             logger.info(f"Averaging helper, step {step}: no round ({e!r})")
-            self.rounds["failed"] += 1
-            self.averager.round_reports()
-            return
-        reports = self.averager.round_reports()
-        if not reports:
-            self.rounds["failed"] += 1
-            logger.info(f"Averaging helper, step {step}: the round ended without a report")
-        for report in reports:
-            self.rounds[report.status] += 1
-            logger.info(f"Averaging helper, step {step}: {report.describe()}")
+        finally:
+            for report in self.averager.round_reports():  # also counted in the averager's round_counts
+                logger.info(f"Averaging helper, step {step}: {report.describe()}")
+        self.rounds = dict(self.averager.round_counts)
 
 
 def _stop_tracker(tracker: Any, timeout: float) -> None:
