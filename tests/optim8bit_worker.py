@@ -109,6 +109,7 @@ def main(spec_path: str) -> int:
         "train_loss": result.training_loss,
         "checksum": sum(float(p.sum()) for p in params),
         "abs": sum(float(p.abs().sum()) for p in params),
+        "averaging_rounds": trainer.swarm.optimizer.averaging_rounds(),  # type: ignore[union-attr]
     }
     (out / "done.json").write_text(json.dumps(done))
     return 0

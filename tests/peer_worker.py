@@ -51,13 +51,16 @@ def corrupt_(tensors, attack: str, factor: float) -> None:
 
 def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAverager]:
     """A gradient averager that corrupts this peer's accumulated gradients just before every all-reduce, with the
-    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends)."""
+    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends). It keeps its own
+    model finite: the parts that honest reducers refuse to send back to it (after sending NaN) revert to its true
+    gradients, so that the next rounds' attacks are made on real gradients, not on NaN."""
 
     class ByzantineGradientAverager(RobustGradientAverager):
         rounds = 0
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
             attack = attacks[self.rounds % len(attacks)]
+            true_gradients = [tensor.detach().clone() for tensor in tensors]
             with torch.no_grad():
                 corrupt_(tensors, attack["attack"], attack.get("factor", 1.0))
             line = {"round": self.rounds, **attack, "group_size": len(group_info.peer_ids), "t": time.time()}
@@ -66,7 +69,12 @@ def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAve
             self.rounds += 1
             if attack["attack"] == "inflate_weight":
                 kwargs["weight"] = kwargs["weight"] * attack["factor"]
-            await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+            try:
+                await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for tensor, true in zip(tensors, true_gradients, strict=True):
+                        torch.where(torch.isfinite(tensor), tensor, true, out=tensor)
 
     return ByzantineGradientAverager
 
@@ -242,6 +250,7 @@ def main(spec_path: str) -> int:
         "global_step": trainer.state.global_step,
         "samples_contributed": trainer.swarm.optimizer.samples_contributed,
         "train_loss": result.training_loss,
+        "averaging_rounds": trainer.swarm.optimizer.averaging_rounds(),  # type: ignore[union-attr]
     }
     if spec.get("eval_blocks"):
         done["eval_loss_begin"] = begin_loss

@@ -30,6 +30,27 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def rerun_once_if_a_round_was_dropped(scenario: Callable[[Path], Any], tmp: Path, dones: Callable[[Any], list]) -> Any:
+    """Run `scenario(tmp / "run1")`; if a peer reported an averaging round that was not complete (its done.json's
+    `averaging_rounds`), run it once more in tmp / "run2" and return that run, whatever it reports.
+
+    For tests that check that peers stay bit-identical step after step: hivemind 1.1.12 sometimes ends an all-reduce
+    stream early without an error (a reducer returns k of n parts; seen about once per full test run on 2 loaded
+    cores, in one test or another). trahiv reports such a round as partial and keeps the missing values local, as it
+    should, but the peers' states then differ by design. The second run still has to pass every check."""
+    result = scenario(tmp / "run1")
+    dropped = [done.get("averaging_rounds") for done in dones(result) if _dropped(done)]
+    if not dropped:
+        return result
+    print(f"rerunning {tmp.name}: a peer reported a round that was not complete: {dropped}", file=sys.stderr)
+    return scenario(tmp / "run2")
+
+
+def _dropped(done: dict) -> bool:
+    rounds = done.get("averaging_rounds") or {}
+    return bool(rounds.get("partial") or rounds.get("failed"))
+
+
 @dataclass
 class Bootstrap:
     process: subprocess.Popen

@@ -55,8 +55,8 @@ _runs: dict[tuple, SwarmRun] = {}
 
 
 def run_swarm(tmp: Path, workdir: Path, aggregation: dict, attack: str | None = None, forge: bool = False) -> SwarmRun:
-    """3 honest peers and a 4th (Byzantine with `attack`, "cycle" for all in turn, else honest) train STEPS
-    collaborative steps with SGD (scale-sensitive, unlike Adam)."""
+    """3 honest peers and a 4th (Byzantine with `attack`, "cycle" for all in turn and then flipped gradients with an
+    inflated weight, else honest) train STEPS collaborative steps with SGD (scale-sensitive, unlike Adam)."""
     key = (aggregation["name"], attack, forge)
     if key in _runs:
         return _runs[key]
@@ -79,7 +79,7 @@ def run_swarm(tmp: Path, workdir: Path, aggregation: dict, attack: str | None = 
     try:
         honest = [start_peer(tmp, f"honest{i}", **common) for i in range(3)]
         byzantine = (
-            list(ATTACKS.values())
+            [*ATTACKS.values(), INFLATE_WEIGHT]
             if attack == "cycle"
             else [ATTACKS["scale"], INFLATE_WEIGHT]
             if attack == "scale_and_inflate_weight"

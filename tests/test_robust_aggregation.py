@@ -96,11 +96,25 @@ def test_centered_clip_bounds_one_senders_influence():
         assert (mean - truth).norm() > 10
 
 
-def test_centered_clip_without_attackers_is_the_mean():
+def test_centered_clip_without_attackers_is_the_mean_with_weights_capped_at_the_median():
     parts = [torch.randn(50) for _ in range(4)]
-    weights = [1.0, 2.0, 3.0, 4.0]
-    mean = sum(w * p for w, p in zip(weights, parts, strict=True)) / sum(weights)
-    assert torch.allclose(centered_clip(parts, weights, tau=100.0, n_iters=100), mean, atol=1e-4)
+    mean = (1 * parts[0] + 2 * parts[1] + 2 * parts[2] + 2 * parts[3]) / 7  # weights 3 and 4 capped at the median, 2
+    assert torch.allclose(centered_clip(parts, [1.0, 2.0, 3.0, 4.0], tau=100.0, n_iters=100), mean, atol=1e-4)
+    weights = [1.0, 2.0, 2.0]  # none above the median: the weighted mean
+    mean = sum(w * p for w, p in zip(weights, parts, strict=False)) / sum(weights)
+    assert torch.allclose(centered_clip(parts[:3], weights, tau=100.0, n_iters=100), mean, atol=1e-4)
+
+
+def test_centered_clip_is_not_bought_with_weight():
+    """A Byzantine copy with as much weight as all the honest ones together, or far more, stays an outlier: its weight
+    is capped at the median copy's (without the cap, it is the weighted median of half the coordinates at least)."""
+    gen = torch.Generator().manual_seed(2)
+    honest = [torch.ones(1000) + 0.01 * torch.randn(1000, generator=gen) for _ in range(3)]
+    truth = torch.stack(honest).mean(0)
+    for attack_weight in (3.0, 30.0, 3e6):
+        for attack in (honest[0] * 1e3, -10 * honest[0], torch.randn(1000, generator=gen) * 100):
+            robust = centered_clip([*honest, attack], [1.0, 1.0, 1.0, attack_weight], tau=0.1, n_iters=50)
+            assert (robust - truth).norm() <= 0.1, (attack_weight, (robust - truth).norm())
 
 
 def test_weighted_median():

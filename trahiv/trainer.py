@@ -243,9 +243,10 @@ class Trainer(transformers.Trainer):
         full_precision = _embedding_positions(opt_model, groups) if _is_8bit(optimizer_cls, optimizer_kwargs) else []
 
         def make_optimizer(param_groups):
+            optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
             if full_precision:  # as transformers does: embeddings keep 32-bit optimizer states
-                _keep_32bit_states(param_groups, full_precision)
-            return optimizer_cls(param_groups, **optimizer_kwargs)
+                _keep_32bit_states(optimizer, full_precision)
+            return optimizer
 
         def make_scheduler(optimizer):
             return transformers.get_scheduler(
@@ -361,13 +362,21 @@ def _embedding_positions(model: torch.nn.Module, groups: list[dict[str, Any]]) -
     return [(g, i) for g, group in enumerate(groups) for i, p in enumerate(group["params"]) if id(p) in embeddings]
 
 
-def _keep_32bit_states(param_groups: list[dict[str, Any]], positions: list[tuple[int, int]]) -> None:
-    """bitsandbytes overrides by tensor identity: name the (offloaded) tensors the optimizer is built on."""
+def _keep_32bit_states(optimizer: Any, positions: list[tuple[int, int]]) -> None:
+    """32-bit states for the parameters at `positions` (group, index) of a bitsandbytes 8-bit optimizer that has not
+    stepped yet (states are made at the first step).
+
+    bitsandbytes keeps such overrides in one process-wide manager, keyed by tensor id and by (group, index), and never
+    forgets them: a second optimizer in the same process (another Trainer, a notebook cell run again) would inherit
+    them, by position or by a reused id, and keep some other tensor's states in 32 bits. This optimizer gets a manager
+    of its own, holding only its overrides."""
     import bitsandbytes as bnb
 
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    manager.override_config([param_groups[g]["params"][i] for g, i in positions], "optim_bits", 32)
-    manager.register_parameters(param_groups)
+    manager = object.__new__(bnb.optim.GlobalOptimManager)  # its __init__ refuses: get_instance() makes the global one
+    manager.initialize()
+    for position in positions:
+        manager.index2config[position] = {"optim_bits": 32}
+    optimizer.mng = manager
 
 
 def config_of(trainer: Trainer) -> HivemindConfig:

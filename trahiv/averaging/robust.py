@@ -63,7 +63,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Aggregation:
     """How a reducer combines the senders' copies of one part: `mean` (hivemind's weighted mean) or `centered_clip`
-    (`n_iters` clipping iterations with radius `tau`, started from the weighted coordinate median)."""
+    (`n_iters` clipping iterations with radius `tau`, started from the weighted coordinate median, each copy's weight
+    capped at the median copy's)."""
 
     name: Literal["mean", "centered_clip"] = "mean"
     tau: float = 1.0
@@ -104,9 +105,15 @@ def weighted_median(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], tau: float, n_iters: int) -> torch.Tensor:
     """CenteredClip: v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i with clip(z, tau) = z min(1, tau / ||z||),
-    `n_iters` times from the weighted coordinate median (stops early once v moves by less than 1e-6 tau)."""
+    `n_iters` times from the weighted coordinate median (stops early once v moves by less than 1e-6 tau).
+
+    No copy weighs more than the median copy (the lower one for an even count): a peer's weight is the samples it
+    says it accumulated, which a Byzantine peer can inflate up to what it reports, or reach honestly by being the
+    fastest in a round. With half the total weight it would be the weighted median of every coordinate where its
+    values are extreme, and pull v to itself; capped, a minority of peers never outweighs the others."""
     stacked = torch.stack([part.reshape(-1).float() for part in parts])
     w = torch.tensor(weights, dtype=stacked.dtype)
+    w = torch.minimum(w, w.median())
     w = w / w.sum()
     center = weighted_median(stacked, w)
     deltas = torch.empty_like(stacked)
