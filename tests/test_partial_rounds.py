@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import threading
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException
 
 from trahiv import engine
@@ -48,9 +51,9 @@ class FaultyRunner(PartialRoundRunner):
             sent += 1
 
 
-def faulty_averager(fault: Fault) -> type[ReportingAverager]:
+def faulty_averager(fault: Fault, runner: type[PartialRoundRunner] | None = None) -> type[ReportingAverager]:
     class FaultyAverager(ReportingAverager):
-        runner_cls = FaultyRunner if fault == Fault.BREAK_STREAM else PartialRoundRunner
+        runner_cls = runner or (FaultyRunner if fault == Fault.BREAK_STREAM else PartialRoundRunner)
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
             if fault == Fault.STALL:
@@ -65,14 +68,20 @@ def local_values(rank: int) -> list[torch.Tensor]:
     return [torch.randn(SIZE // 3, generator=gen) + 10 * rank for _ in range(3)]
 
 
-def run_round(stack: ExitStack, faults: list[Fault], allreduce_timeout: float = 60.0, auxiliary: int | None = None):
-    """One averaging round of len(faults) peers (peer `auxiliary` in hivemind's auxiliary mode); returns (seconds,
-    results, reports, averagers) per peer."""
+def run_round(
+    stack: ExitStack,
+    faults: list[Fault],
+    allreduce_timeout: float = 60.0,
+    auxiliary: int | None = None,
+    runner: type[PartialRoundRunner] | None = None,
+):
+    """One averaging round of len(faults) peers (peer `auxiliary` in hivemind's auxiliary mode, all with `runner` if
+    given); returns (seconds, results, reports, averagers) per peer."""
     first = stack.enter_context(_dht())
     peers = [first] + [stack.enter_context(_dht(first.get_visible_maddrs())) for _ in faults[1:]]
     averagers = []
     for rank, (dht, fault) in enumerate(zip(peers, faults, strict=True)):
-        averager = faulty_averager(fault)(
+        averager = faulty_averager(fault, runner)(
             local_values(rank), dht=dht, prefix="partial", target_group_size=len(faults), min_group_size=len(faults),
             min_matchmaking_time=2.0, request_timeout=1.0, part_size_bytes=PART_BYTES,
             allreduce_timeout=allreduce_timeout, deadlines=Deadlines(**vars(FAST)), auxiliary=rank == auxiliary,
@@ -162,6 +171,54 @@ def test_auxiliary_peer_reduces_a_share_and_sends_nothing():
         for rank in range(2):
             assert torch.allclose(tensors_of(averagers[rank]), expected, atol=1e-5)
         assert torch.equal(tensors_of(averagers[2]), torch.cat(local_values(2)))
+
+
+def stream_end_recorder(path: Path, hivemind_sender: bool) -> type[PartialRoundRunner]:
+    """A runner that appends to `path`, for every stream it served as a reducer, how the stream ended: "closed by the
+    sender" (cancelled while it waited after its last part) or "ended by the reducer" (it stopped waiting). With
+    `hivemind_sender`, its sending side is hivemind's (reads until the reducer closes)."""
+
+    class StreamEndRecorder(PartialRoundRunner):
+        async def rpc_aggregate_part(self, stream, context):
+            parts, ended = 0, "ended by the reducer"
+            try:
+                async for message in super().rpc_aggregate_part(stream, context):
+                    yield message
+                    parts += 1
+            except (asyncio.CancelledError, GeneratorExit):
+                ended = "closed by the sender"
+                raise
+            finally:
+                with open(path, "a") as f:
+                    f.write(json.dumps({"ended": ended, "parts": parts}) + "\n")
+
+        async def _exchange_with_reducer(self, peer_id):
+            if hivemind_sender:
+                return await AllReduceRunner._communicate_with_peer(self, peer_id)
+            return await super()._exchange_with_reducer(peer_id)
+
+    return StreamEndRecorder
+
+
+@pytest.mark.parametrize("hivemind_sender", [False, True], ids=["trahiv", "hivemind"])
+def test_the_sender_closes_the_stream_once_it_has_every_part(tmp_path, hivemind_sender):
+    """A reducer's p2pd resets the stream when the reducer's handler returns, and a reset drops what the sender's
+    p2pd had not yet passed on (seen on busy CPUs: "sent 21 parts, but we expected 27", a partial round). trahiv's
+    reducer keeps the stream open after its last part until the sender, which knows how many parts to expect, closes
+    it. Control: hivemind's sender waits for the reducer to close instead, so the reducer waits out its timeout."""
+    path = tmp_path / "ends.jsonl"
+    with ExitStack() as stack:
+        _, results, reports, _ = run_round(stack, [Fault.NONE] * 3, runner=stream_end_recorder(path, hivemind_sender))
+        for rank in range(3):
+            assert isinstance(results[rank], dict), results[rank]
+            assert [r.status for r in reports[rank]] == ["complete"], reports[rank]
+        deadline = time.monotonic() + 20  # handlers end after the round (when closed, or when they time out)
+        while time.monotonic() < deadline and len(path.read_text().splitlines() if path.exists() else []) < 6:
+            time.sleep(0.1)
+    ends = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(ends) == 3 * 2 and all(end["parts"] > 0 for end in ends), ends  # every reducer served both others
+    expected = "ended by the reducer" if hivemind_sender else "closed by the sender"
+    assert {end["ended"] for end in ends} == {expected}, ends
 
 
 def test_broken_stream_is_reported_partial_and_keeps_local_values():

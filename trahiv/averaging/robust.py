@@ -32,7 +32,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
@@ -281,7 +281,7 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            return await self._exchange_with_reducer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
@@ -293,6 +293,61 @@ class RobustAllReduceRunner(AllReduceRunner):
             except NoUsablePartError:
                 delta = torch.zeros_like(tensor_part)  # keep the local values of a part nobody could aggregate
             self.tensor_part_container.register_processed_part(peer_index, part_index, delta)
+
+    async def _exchange_with_reducer(self, peer_id: Any) -> None:
+        """Send our copy of the part `peer_id` reduces, receive the aggregate; then close the stream ourselves.
+
+        hivemind 1.1.12 reads until the reducer closes the stream. But when a reducer's handler returns, the stream
+        is reset (p2pd logs "stream reset" some 50 ms later), and on a busy CPU the parts still in flight were lost:
+        this peer got only k of n parts, without an error, and the round was partial (2 rounds in 400 between two
+        processes beside 3 busy ones, benchmarks/stream_end.py; 0 in 400 with this). Here the
+        receiving side, which knows how many parts to expect, closes the stream once it has them all; the reducer
+        (`rpc_aggregate_part` below) waits for that.
+        """
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        received = 0
+
+        def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            return deserialize_torch_tensor(message.tensor_part)
+
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            results = amap_in_executor(
+                deserialize,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            )
+            try:
+                async for delta in results:
+                    self.tensor_part_container.register_processed_part(peer_index, received, delta)
+                    received += 1
+                    if received == expected:
+                        break
+            finally:
+                await results.aclose()
+                await stream.aclose()  # closes our end: the reducer's handler ends when it sees it
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """hivemind's handler, then: wait for the sender to close the stream (it does once it has every part, see
+        `_exchange_with_reducer`) rather than return, which would let p2pd reset the stream under the sender's
+        unread parts. The wait is bounded (a sender that never closes costs it reducer_timeout, 10 s by default)."""
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+        await asyncio.sleep(self.reducer_timeout or 10.0)  # cancelled as soon as the sender closes the stream
 
 
 async def run_robust_allreduce_(
