@@ -79,3 +79,33 @@ def test_contributions_weighted_by_samples(tmp_path, workdir):
             after = peer.params_at()[step]["values"]
             assert after == pytest.approx([v + expected_delta for v in before], abs=1e-5), (step, weights)
     assert weights["a"] > 2 * weights["b"]  # the faster-batching peer really contributed more
+
+
+def test_peers_that_cannot_average_step_with_their_own_gradients(tmp_path, workdir):
+    """Two trainers in client mode cannot form a group (neither accepts connections): every round fails, is counted
+    as failed, and each peer steps with its own gradients (+1 here, -1 there). hivemind 1.1.12 stepped with zeros
+    (its accumulators were reset before the round), so the parameters never moved."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(
+        workdir=str(workdir),
+        run_id="unreachable",
+        target=16,
+        max_steps=3,
+        initial_peers=boot.initial_peers,
+        mm=1.0,
+        dht={"client_mode": True},
+        opt={"min_peers": 2, "averaging_timeout": 4.0, "average_state_every": 100},
+    )
+    try:
+        a = start_peer(tmp_path, "a", batch_size=4, toy_grad=1.0, **common)
+        b = start_peer(tmp_path, "b", batch_size=4, toy_grad=-1.0, **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        boot.stop()
+    for peer, done, grad in ((a, done_a, 1.0), (b, done_b, -1.0)):
+        assert done["global_step"] == 3
+        for step in (1, 2, 3):  # SGD, lr 1: each failed round moves the weights by -1 x this peer's gradient
+            assert peer.params_at()[step]["values"] == pytest.approx([-grad * step] * 4), (peer.name, step)
+        assert done["averaging_rounds"]["failed"] >= 3 and done["averaging_rounds"]["complete"] == 0, done
+        assert "Proceeding with local gradients" in peer.log()
+        assert "Traceback" not in peer.log(), "a round without a group is no error"

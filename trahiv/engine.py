@@ -10,12 +10,16 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
 3. numpy 2: decoding 8-bit tensors (`Uniform8Bit`, `Quantile8Bit`, `Blockwise`) calls `int()` on a 1-element array,
    which numpy 2 rejects, so every 8-bit round silently failed. The decoders are replaced by ones that also check the
    buffer's size against its header before reading (the buffer comes from another peer).
+4. Noise: a round in which no averaging group formed is logged by hivemind at ERROR with a traceback ("Averaging step
+   failed: could not find a group"), every time, though nothing broke; trahiv counts and reports such rounds itself
+   (`trahiv.averaging.partial.ReportingMixin`): the record is kept as one INFO line without the traceback.
 (The `client_mode` bug is fixed in `trahiv.swarm.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -42,6 +46,7 @@ def apply() -> None:
     _fix_sigint()
     _fix_orphans()
     _fix_quantization()
+    _quiet_no_group()
     _applied = True
 
 
@@ -226,3 +231,24 @@ def _fix_quantization() -> None:
 
     quantization.Quantization.extract = _extract_quantized
     quantization.BlockwiseQuantization.extract = _extract_blockwise
+
+
+# 4. "could not find a group" -----------------------------------------------------------------------------------------
+
+
+class NoGroupIsNotAnError(logging.Filter):
+    """hivemind's `logger.exception(e)` for a round without a group becomes one INFO line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and "could not find a group" in str(error):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = f"No averaging group formed: {error}", ()
+        return True
+
+
+def _quiet_no_group() -> None:
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, NoGroupIsNotAnError) for f in averager_logger.filters):
+        averager_logger.addFilter(NoGroupIsNotAnError())

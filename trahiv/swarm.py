@@ -14,6 +14,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
@@ -34,6 +35,7 @@ logger = logging.getLogger("trahiv.swarm")
 
 __all__ = ["Swarm", "SwarmJoinError", "SwarmOptimizer", "model_fingerprint", "newest_served_step", "start_dht"]
 
+_GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 MODEL_RECORD_TTL = 600.0  # seconds a peer's model fingerprint stays in the DHT without refresh
 UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
@@ -120,7 +122,8 @@ SCHEMA_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # what
 def _is_fingerprint(value: Any) -> bool:
     return (
         isinstance(value, dict)
-        and {"digest", "tensors", "parameters"} <= set(value) <= {"digest", "tensors", "parameters", "schema"}
+        and {"digest", "tensors", "parameters"} <= set(value) <= {"digest", "tensors", "parameters", "schema", "ready"}
+        and type(value.get("ready", False)) is bool
         and isinstance(value["digest"], str)
         and len(value["digest"]) == 32
         and all(type(value[k]) is int and value[k] >= 0 for k in ("tensors", "parameters"))
@@ -188,6 +191,17 @@ class SwarmProgressTracker(ProgressTracker):
     def has_other_peers(self) -> bool:
         own = self.dht.peer_id.to_base58()
         return any(peer != own for peer in self.active_peers)
+
+    def announce(self) -> None:
+        """Publish this peer's progress record now (step, no samples yet). hivemind's reporter publishes only once a
+        peer has accumulated samples, so until its first local step ended, no peer counted it: the first step of a
+        fast peer then reached target_batch_size alone."""
+        self.dht.store(
+            key=self.training_progress_key,
+            subkey=self._local_public_key,
+            value=self.local_progress.dict(),
+            expiration_time=get_dht_time() + self.metadata_expiration,
+        )
 
     def refresh_now(self) -> None:
         """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
@@ -277,7 +291,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.pending_batch_size: int | None = None
         self.samples_contributed = 0
         self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
-        self._next_unconfirmed_check = time.monotonic() + UNCONFIRMED_CHECK_PERIOD
+        self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
         self._next_progress_check = 0.0
         super().__init__(dht=dht, **kwargs)
 
@@ -348,13 +362,44 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.tracker.has_other_peers:
             super()._maybe_schedule_state_averaging()
 
+    def _key_rounds_by_step(self) -> None:
+        """Matchmaking of this step's rounds is keyed by the step (see EpochKeyedMatchmaking): the gradient round that
+        ends step k, and the parameter round that hivemind runs as the step becomes k + 1."""
+        self.state_averager.round_epoch = self.local_epoch + 1
+        if self.grad_averager is not None:
+            self.grad_averager.round_epoch = self.local_epoch
+
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
+        if self._missed_the_round():
+            logger.info(
+                f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
+                "stepping alone"
+            )
+            self.load_state_from_peers()
+            return
+        self._key_rounds_by_step()
         super()._update_global_epoch(grad_scaler)
+
+    def _missed_the_round(self) -> bool:
+        """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
+        round is over. hivemind would run a round of its own (with nobody: local gradients) and step, leaving this
+        peer with other parameters than the swarm's; the late joiner's first steps did exactly that."""
+        if self.auxiliary or not self.use_gradient_averaging or self.tracker.global_epoch <= self.local_epoch:
+            return False
+        control: Any = getattr(self, "scheduled_grads", None)
+        in_group = control is not None and not control.done() and control.stage in _GROUP_FORMED
+        if in_group or newest_served_step(self.dht, self.run_id) < self.tracker.global_epoch:
+            return False  # in their round after all, or nobody serves the swarm's state: step with what we have
+        if control is not None and not control.done():
+            control.cancel()
+        self.scheduled_grads = None
+        return True
 
     def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
         batch_size = batch_size if batch_size is not None else self.pending_batch_size
         self.pending_batch_size = None
+        self._key_rounds_by_step()
         try:
             if self.revert is not None and self.revert.maybe_apply(self):
                 return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
@@ -448,20 +493,38 @@ class Swarm:
     def _model_records(self) -> dict[str, dict[str, Any]]:
         return model_records(self.dht, self.run_id)
 
-    def model_peers(self) -> set[str]:
-        """Peers (this one included) that announced a model for this run."""
-        return set(self._model_records())
+    def model_peers(self, *, ready: bool = False) -> set[str]:
+        """Peers (this one included) that announced a model for this run; with `ready`, only those that are ready to
+        train (their collaborative optimizer runs: `mark_ready`)."""
+        return {peer for peer, record in self._model_records().items() if record.get("ready") or not ready}
+
+    def mark_ready(self) -> None:
+        """Tell the swarm that this peer trains now (its optimizer runs): `min_peers` counts such peers. A Trainer is
+        announced when it is built, which may be long before it trains (data loading, a slow first step); counting
+        those released the first peer of run_clm.py's 2-peer swarm to take 4-5 of 8 steps alone."""
+        if self.optimizer is not None:
+            self.optimizer.tracker.announce()
+        if self._model is not None and not self._model.get("ready"):
+            self._model = {**self._model, "ready": True}
+            self.publish_model(force=True)
 
     def wait_for_peers(self) -> int:
-        """Block until `opt.min_peers` peers announced themselves (or `min_peers_timeout`); return how many did."""
+        """Block until `opt.min_peers` peers are ready to train (or `min_peers_timeout`); return how many are."""
         wanted, deadline = self.config.opt.min_peers, time.monotonic() + self.config.opt.min_peers_timeout
-        peers = self.model_peers()
-        while len(peers) < wanted and time.monotonic() < deadline:
-            time.sleep(0.5)
-            peers = self.model_peers()
-        if len(peers) < wanted:
-            logger.warning(f"Only {len(peers)} of min_peers={wanted} peers arrived in time; training anyway")
-        return len(peers)
+        while (count := self._ready_peers()) < wanted and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if count < wanted:
+            logger.warning(f"Only {count} of min_peers={wanted} peers were ready in time; training anyway")
+        return count
+
+    def _ready_peers(self) -> int:
+        """Peers that announced they are ready and whose training progress this peer sees (its first collaborative
+        step must count them, or it would reach target_batch_size alone and step without them)."""
+        ready = self.model_peers(ready=True)
+        if self.optimizer is None or len(ready) < self.config.opt.min_peers:
+            return len(ready)
+        self.optimizer.tracker.refresh_now()
+        return len(ready & {*self.optimizer.tracker.active_peers, self.peer_id})
 
     def publish_model(self, force: bool = False) -> None:
         if self._model is None or (not force and time.monotonic() - self._model_published_at < MODEL_RECORD_TTL / 4):
@@ -515,6 +578,7 @@ class Swarm:
         if self.optimizer is None:
             raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         tracker = self.optimizer.tracker
+        tracker.refresh_now()  # the tracker's first fetch may not have happened yet
         others = [peer for peer in {**tracker.active_peers, **tracker.ignored_records} if peer != self.peer_id]
         served = newest_served_step(self.dht, self.run_id)  # e.g. an auxiliary peer restarted from a checkpoint
         if not others and max(tracker.global_epoch, served) <= self.optimizer.local_epoch:

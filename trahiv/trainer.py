@@ -108,6 +108,7 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
         if state.global_step > opt.local_epoch:  # resumed from a checkpoint saved by this trainer
             opt.state_averager.local_epoch = state.global_step
             opt.state_averager._update_scheduler()
+        swarm.mark_ready()
         swarm.wait_for_peers()
         swarm.catch_up()
         state.global_step = self.last_step = opt.local_epoch

@@ -256,6 +256,7 @@ class AveragingHelper:
 
         assert self.config is not None
         timeout = self.config.opt.averaging_timeout
+        self.averager.round_epoch = self.tracker.local_progress.epoch  # the trainers' rounds are keyed by their step
         self._control = self.averager.schedule_step(scheduled_time=get_dht_time() + wait, timeout=timeout)
         return self._control
 

@@ -22,6 +22,7 @@ allreduce_timeout (60-120 s, or unbounded).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import multiprocessing as mp
@@ -45,6 +46,7 @@ from trahiv.averaging.robust import (
 )
 
 logger = logging.getLogger("trahiv.averaging")
+_ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("trahiv_round_reported")
 
 __all__ = [
     "Deadlines",
@@ -282,6 +284,24 @@ class ReportingMixin:
         finally:
             self._report_round(group_id or group_info.group_id, time.perf_counter() - started, payload, error)
 
+    async def _step(self, *, step: Any, future_for_init: Any) -> None:
+        """hivemind's step, in the averager process, and a `failed` report for a step that ended in an error before
+        any all-reduce began (no group formed: hivemind 1.1.12 logs it and falls back to local values, and nothing
+        counted it). A step cancelled by its owner (e.g. no other peer was left) is not a failure."""
+        started, reported = time.perf_counter(), [False]
+        token = _ROUND_REPORTED.set(reported)  # child tasks share the list: _report_round marks it
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
+        finally:
+            _ROUND_REPORTED.reset(token)
+            error = step.exception() if step.done() and not step.cancelled() else None
+            if error is not None and not reported[0]:
+                seconds = time.perf_counter() - started
+                why = f"no averaging group formed ({error!r})"
+                report = RoundReport(peers=(), total_values=0, seconds=seconds, payload_bytes=0, error=why)
+                logger.info(report.describe())
+                self._report_queue.put(asdict(report))
+
     def _report_round(self, group_id: bytes, seconds: float, payload: int, error: BaseException | None) -> None:
         averager: Any = self
         future = averager._running_groups.get(group_id)
@@ -291,7 +311,8 @@ class ReportingMixin:
             or future.cancelled()
             or not isinstance(future.result(), PartialRoundRunner)
         ):
-            return  # the round failed before it started: hivemind's step reports that failure
+            return  # the round failed before it started: `_step` reports that failure
+        _ROUND_REPORTED.get([False])[0] = True  # (a default list when called outside `_step`)
         report = future.result().report(seconds, payload, error)
         if report.complete and self.deadlines is not None:
             self.deadlines.observe(payload, len(report.peers), seconds)

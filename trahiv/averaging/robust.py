@@ -51,6 +51,8 @@ __all__ = [
     "RobustTensorPartReducer",
     "RobustTrainingStateAverager",
     "CheckedStateDownload",
+    "EpochKeyedMatchmaking",
+    "epoch_group_bits",
     "state_rejection_reason",
     "aggregate",
     "centered_clip",
@@ -419,14 +421,61 @@ def reported_sample_caps(records: Any, peers: Sequence[PeerID], now: float) -> d
     return {peer: caps.get(peer, smallest) for peer in peers}
 
 
-class RobustGradientAverager(GradientAverager):
+EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
+
+
+def epoch_group_bits(epoch: int) -> str:
+    """hivemind's group bits that key matchmaking by collaborative step (see EpochKeyedMatchmaking)."""
+    return format(epoch % 2**EPOCH_KEY_BITS, f"0{EPOCH_KEY_BITS}b")
+
+
+class EpochKeyedMatchmaking(DecentralizedAverager):
+    """Rounds for different collaborative steps never meet: hivemind 1.1.12 matches every peer that looks for a group
+    under one key, so a peer still at step k could join a group of peers already at step k+1 and average its step-k
+    gradients into theirs (seen with transformers' run_clm.py and 2 peers: weights differed by 6e-3 after 8 steps).
+    The owner sets `round_epoch` before a round is scheduled; the group bits of the matchmaking key then carry it."""
+
+    round_epoch: int | None = None
+
+    def schedule_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.round_epoch is not None:  # through the averager's pipe, so it lands before the step below
+            self.set_group_bits(epoch_group_bits(self.round_epoch), wait=False)
+        return super().schedule_step(*args, **kwargs)
+
+
+class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):
     """hivemind's GradientAverager whose all-reduce excludes garbage and aggregates with `aggregation`. Given the
-    swarm's `progress_key`, each sender's weight (its accumulated samples) is clamped to what it reported there."""
+    swarm's `progress_key`, each sender's weight (its accumulated samples) is clamped to what it reported there.
+
+    A failed round falls back to this peer's own gradients. In hivemind 1.1.12 `step(reset_accumulators=True)` loads
+    the accumulators into the averaged tensors and zeroes them before the all-reduce; when the round then fails,
+    hivemind.Optimizer ("Proceeding with local gradients") loads the zeroed accumulators again, scaled by 1/0 -> 0.0,
+    and the optimizer steps with zero gradients (two peers that could not reach each other trained 4 steps and their
+    parameters never moved). Here the averaged tensors, which still hold this peer's gradients (or, after a round that
+    broke midway, its gradients with the parts that were averaged), are kept instead."""
 
     def __init__(self, *args: Any, aggregation: Aggregation = MEAN, progress_key: str | None = None, **kwargs: Any):
         self.aggregation = aggregation  # set before the averager process forks
         self.progress_key = progress_key
+        self._holds_local_gradients = False  # the averaged tensors hold the gradients of the round just begun
+        self._in_step = False
         super().__init__(*args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_step = True
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._in_step = False
+
+    def reset_accumulated_grads_(self) -> None:
+        super().reset_accumulated_grads_()
+        self._holds_local_gradients = self._in_step  # zeroed by step(): the averaged tensors hold them now
+
+    def load_accumulators_into_averager_(self) -> None:
+        if self.local_times_accumulated == 0 and self._holds_local_gradients:
+            return  # a failed round: the averaged tensors already hold this peer's gradients
+        super().load_accumulators_into_averager_()
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
         caps = await self._weight_caps(group_info.peer_ids)
@@ -546,7 +595,7 @@ class CheckedStateDownload(DecentralizedAverager):
         return (metadata, tensors) if metadata else None
 
 
-class RobustTrainingStateAverager(TrainingStateAverager, CheckedStateDownload):
+class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, CheckedStateDownload):
     """hivemind's TrainingStateAverager (parameters, optimizer statistics) whose all-reduce excludes garbage and whose
     state download is checked against this model's parameters and optimizer statistics."""
 
