@@ -9,7 +9,7 @@ a hub namespace; `tc ... tbf` shapes each link to B Mbit/s in both directions (n
 on exit, Ctrl+C included. Without root, B > 0 is refused.
 
 For each compression both engines run in the same peers, alternating: `hivemind` (plain DecentralizedAverager, as
-shipped apart from trahiv's numpy-2 decoders) and `trahiv` (trahiv.averaging.partial.ReportingAverager: robust
+shipped apart from trahiv's numpy-2 decoders) and `trahiv` (trahiv.engine.averagers.ReportingAverager: robust
 reducer, payload-based deadlines, round reports, `--trahiv-part-bytes`). Reported per configuration: median all-reduce
 time (group formed -> tensors updated; matchmaking excluded) against the bound 2 x (N-1)/N x S / B, S = compressed
 payload; whether every round was complete, checked on the values (no value left at its local value) and, for trahiv,
@@ -107,8 +107,9 @@ def worker(spec: dict) -> None:
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
     from trahiv import engine
-    from trahiv.averaging.partial import Deadlines, ReportingAverager
+    from trahiv.averaging.partial import Deadlines
     from trahiv.compression import make_compression
+    from trahiv.engine.averagers import ReportingAverager
 
     engine.apply()
     torch.set_num_threads(1)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartReducer
 
-from trahiv.averaging import Aggregation, RobustTensorPartReducer
+from trahiv.averaging import Aggregation
+from trahiv.engine.averagers import RobustTensorPartReducer
 
 __all__ = ["main", "time_reduction"]
 

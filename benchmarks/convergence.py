@@ -133,7 +133,7 @@ def peer_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     if spec.get("no_progress_refresh"):  # A/B: without SwarmOptimizer's progress re-fetch near the target
-        from trahiv.swarm import SwarmOptimizer
+        from trahiv.engine.optimizer import SwarmOptimizer
 
         SwarmOptimizer._refresh_progress_if_due = lambda self: None
     workdir, out = Path(spec["workdir"]), Path(spec["out"])

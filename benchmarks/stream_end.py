@@ -42,7 +42,8 @@ def run_rounds(runner: str, rounds: int) -> dict:
     from hivemind.averaging import DecentralizedAverager
 
     from trahiv import engine
-    from trahiv.averaging.robust import MEAN, run_robust_allreduce_
+    from trahiv.averaging.robust import MEAN
+    from trahiv.engine.averagers import run_robust_allreduce_
 
     engine.apply()
     logging.basicConfig(format="%(name)s %(message)s")

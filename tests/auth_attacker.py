@@ -101,7 +101,8 @@ async def try_averaging(p2p: P2P, target: PeerID, run_id: str, join: averaging_p
 
 async def _stub(p2p: P2P, peer: PeerID, namespace: str, cls_name: str, method: str, request: Any) -> Any:
     """Call a streaming averaging RPC by the handle name the swarm's averager classes register."""
-    from trahiv.swarm import Swarm, SwarmOptimizer
+    from trahiv.engine.optimizer import SwarmOptimizer
+    from trahiv.swarm import Swarm
 
     cls = Swarm.grad_averager_cls if cls_name == "GradientAverager" else SwarmOptimizer.state_averager_cls
     handle = cls._get_handle_name(namespace, method)

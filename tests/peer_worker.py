@@ -27,9 +27,10 @@ from hivemind.averaging import DecentralizedAverager
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
-from trahiv.averaging import RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.demo import BlockDataset
-from trahiv.swarm import Swarm, SwarmOptimizer
+from trahiv.engine.averagers import RobustGradientAverager, RobustTrainingStateAverager
+from trahiv.engine.optimizer import SwarmOptimizer
+from trahiv.swarm import Swarm
 
 
 def corrupt_(tensors, attack: str, factor: float) -> None:

@@ -210,8 +210,10 @@ def test_intruders_can_neither_store_nor_average_nor_download(swarm):
 
 
 def test_gated_averagers_keep_the_swarms_rpc_names_and_streaming():
-    from trahiv.auth.gate import AuthGate, gated
-    from trahiv.swarm import Swarm, SwarmOptimizer
+    from trahiv.auth.gate import AuthGate
+    from trahiv.engine.gate import gated
+    from trahiv.engine.optimizer import SwarmOptimizer
+    from trahiv.swarm import Swarm
 
     for cls in (Swarm.grad_averager_cls, SwarmOptimizer.state_averager_cls):
         gated_cls = gated(cls, AuthGate(RUN_ID, b"ssh-rsa AAAA"))

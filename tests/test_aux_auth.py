@@ -122,8 +122,9 @@ def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path
 def test_gated_state_mirror_keeps_the_trainers_rpc_names():
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from trahiv.auth.gate import AuthGate, gated
-    from trahiv.auxiliary.keeper import StateMirror
+    from trahiv.auth.gate import AuthGate
+    from trahiv.engine.gate import gated
+    from trahiv.engine.state import StateMirror
 
     cls = gated(StateMirror, AuthGate(RUN, b"ssh-rsa AAAA"))
     cls._rpc_handlers = None  # collected afresh, as in the forked averager process

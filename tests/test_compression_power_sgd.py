@@ -16,9 +16,9 @@ import torch
 from trahiv import engine
 from trahiv.averaging import Aggregation
 from trahiv.averaging.partial import Deadlines
-from trahiv.averaging.power_sgd import RobustPowerSGDGradientAverager
 from trahiv.compression import make_compression
 from trahiv.config import HivemindConfig
+from trahiv.engine.averagers import RobustPowerSGDGradientAverager
 
 engine.apply()
 ROWS, COLS = 64, 32

@@ -1,4 +1,4 @@
-"""trahiv's fixes to hivemind 1.1.12 (trahiv/engine.py), each shown failing without the fix where possible."""
+"""trahiv's fixes to hivemind 1.1.12 (trahiv/engine/fixes.py), each shown failing without the fix where possible."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException
 
 from trahiv import engine
-from trahiv.averaging.partial import Deadlines, PartialRoundRunner, ReportingAverager, RoundReport
+from trahiv.averaging.partial import Deadlines, RoundReport
+from trahiv.engine.averagers import PartialRoundRunner, ReportingAverager
 
 engine.apply()
 

@@ -17,7 +17,8 @@ from test_auth import AuthServer, join_addresses, start_server, stop_all
 
 from trahiv.auth import keys
 from trahiv.auth.revert import RevertOrder, RevertOrderError, SignedRevertOrder, sign_order, verify_order
-from trahiv.revert import parameters_digest, reset_scheduler
+from trahiv.engine.state import reset_scheduler
+from trahiv.revert import parameters_digest
 
 RUN = "revertrun"
 STEP = 2  # the checkpoint's collaborative step

@@ -25,21 +25,16 @@ import hashlib
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from hivemind.optim.state_averager import load_optimizer_state
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.mpfuture import MPFuture
 
 from trahiv.auth.client import AuthClient, AuthError
 from trahiv.auth.revert import RevertOrder, RevertOrderError, SignedRevertOrder, verify_order
-from trahiv.averaging.robust import state_rejection_reason
+from trahiv.engine.state import download_state, leave_rounds, load_state
 
 if TYPE_CHECKING:
     from trahiv.auxiliary.checkpoints import SwarmState
@@ -61,7 +56,6 @@ __all__ = [
 GRACE_SECONDS = 60.0  # after a revert: trust no progress record far ahead, download no state
 ORDER_TTL = 7 * 86400.0  # seconds an order stays in the DHT
 RETRY_SECONDS = 3.0  # between attempts to download the checkpoint's state
-MAX_DOWNLOADS = 4  # states rejected before giving up (until the next attempt)
 
 
 def revert_key(run_id: str) -> str:
@@ -285,13 +279,13 @@ class RevertFollower:
         return False
 
     def _apply(self, opt: SwarmOptimizer, order: RevertOrder) -> bool:
-        _leave_rounds(opt)
+        leave_rounds(opt)
 
         def accept(peer: str, priority: Any) -> bool:
             return peer == order.source if order.source else priority == order.step
 
         what = f"revert order #{order.revert_id}"
-        loaded = _guarded(download_state, opt, accept, step=order.step, digest=order.parameters_sha256, what=what)
+        loaded = _guarded(download_state, opt, accept, checkpoint_check(order.step, order.parameters_sha256), what=what)
         if loaded is None:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             logger.warning(f"Revert order #{order.revert_id}: the checkpoint's state is not available yet; retrying")
@@ -310,13 +304,13 @@ class RevertFollower:
     def _catch_up(self, opt: SwarmOptimizer) -> bool:
         """A peer that applied the order is ahead by more than a step: download its state (only theirs)."""
         allowed, local = self.allowed_peers() or set(), opt.local_epoch
-        _leave_rounds(opt)
+        leave_rounds(opt)
 
         def accept(peer: str, priority: Any) -> bool:
             return peer in allowed and isinstance(priority, int | float) and priority > local
 
         what = f"catching up after revert order #{self.applied_id}"
-        loaded = _guarded(download_state, opt, accept, step=None, digest="", what=what)
+        loaded = _guarded(download_state, opt, accept, checkpoint_check(None, ""), what=what)
         if loaded is None:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             return False
@@ -326,6 +320,20 @@ class RevertFollower:
         return True
 
 
+def checkpoint_check(step: int | None, digest: str) -> Callable[[dict, list[torch.Tensor], int], str | None]:
+    """The checks of a downloaded state beyond the generic ones: the order's `step` and the trainable tensors'
+    `digest`, where given."""
+
+    def check(metadata: dict, tensors: list[torch.Tensor], num_parameters: int) -> str | None:
+        if step is not None and metadata.get("epoch") != step:
+            return f"it is the state of step {metadata.get('epoch')}, not of step {step}"
+        if digest and parameters_digest(tensors[:num_parameters]) != digest:
+            return "its trainable tensors differ from the checkpoint's (SHA-256 mismatch)"
+        return None
+
+    return check
+
+
 def _guarded(download: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
     """A failed download (timeout, averager error) is retried later: it must never stop training."""
     try:
@@ -333,109 +341,6 @@ def _guarded(download: Callable[..., Any], *args: Any, what: str, **kwargs: Any)
     except Exception as e:
         logger.warning(f"{what}: the state download failed: {e!r}")
         return None
-
-
-def _leave_rounds(opt: SwarmOptimizer) -> None:
-    """Leave the averaging rounds scheduled with the old state (one already running is let finish, briefly), and
-    finish delayed updates."""
-    for name in ("scheduled_grads", "scheduled_state"):
-        control = getattr(opt, name)
-        if control is not None and not control.done():
-            if control.triggered:
-                try:
-                    control.result(timeout=10.0)
-                except Exception as e:
-                    logger.debug(f"An averaging round ended with {e!r}")
-            else:
-                control.cancel()
-        setattr(opt, name, None)
-    opt.state_averager.step(wait_for_delayed_updates=True)
-
-
-def download_state(
-    opt: SwarmOptimizer, accept: Callable[[str, Any], bool], *, step: int | None, digest: str, what: str
-) -> tuple[dict, list[torch.Tensor]] | None:
-    """A state served by a peer that `accept(peer_id, declared_priority)`, checked (shapes, finite values, and the
-    `step` and trainable tensors' `digest` if given)."""
-    averager = opt.state_averager
-    timeout = min(float(opt.load_state_timeout), 120.0)
-    expected = averager._expected_state_shapes()
-    num_parameters = sum(len(group["params"]) for group in averager.optimizer.param_groups)
-    skip: set[str] = set()
-    for _ in range(MAX_DOWNLOADS):
-        found = opt.dht.get(f"{opt.run_id}_state_averager.all_averagers", latest=True)
-        declared = found.value if found is not None and isinstance(found.value, dict) else {}
-        allowed = 0
-        for peer, entry in declared.items():
-            peer_id = str(PeerID(peer))
-            if accept(peer_id, getattr(entry, "value", None)):
-                allowed += peer_id not in skip
-            else:
-                skip.add(peer_id)
-        if not allowed:
-            return None
-        future: MPFuture = MPFuture()
-        request = dict(timeout=timeout, future=future, skip=sorted(skip))
-        averager._outer_pipe.send(("_load_state_from_peers", [], request))
-        loaded = future.result(timeout=timeout)
-        if loaded is None:
-            return None
-        metadata, tensors, peer = loaded
-        reason = state_rejection_reason(metadata, tensors, expected)
-        if reason is None and step is not None and metadata.get("epoch") != step:
-            reason = f"it is the state of step {metadata.get('epoch')}, not of step {step}"
-        if reason is None and digest and parameters_digest(tensors[:num_parameters]) != digest:
-            reason = "its trainable tensors differ from the checkpoint's (SHA-256 mismatch)"
-        if reason is None and not isinstance(metadata.get("optimizer_metadata"), list):
-            reason = "it has no optimizer state"
-        if reason is None:
-            return metadata, tensors
-        logger.warning(f"{what}: rejected the state served by peer {peer}: {reason}")
-        skip.add(peer)
-    return None
-
-
-def load_state(opt: SwarmOptimizer, metadata: dict, tensors: list[torch.Tensor], *, step: int) -> None:
-    """Replace parameters, optimizer state, step and LR schedule by the downloaded ones; drop accumulated gradients.
-    (hivemind's own download refuses a state older than the local one, and its schedule only steps forward.)"""
-    averager = opt.state_averager
-    parameters = tuple(p for group in averager.optimizer.param_groups for p in group["params"])
-    main = tuple(chain(parameters, averager.extra_tensors))
-    with opt.tracker.pause_updates():
-        with torch.no_grad(), averager.lock_averaged_tensors:
-            load_optimizer_state(averager.optimizer, metadata["optimizer_metadata"], tensors[len(main) :])
-            for local, loaded in zip(main, tensors[: len(main)], strict=True):
-                local.copy_(loaded)
-        if averager.offload_optimizer:
-            averager._apply_optimizer_parameters_()
-        if not averager.reuse_tensors:
-            averager._load_local_tensors_into_averager_()
-        averager.local_epoch = step
-        reset_scheduler(averager.scheduler, step)
-        if opt.use_gradient_averaging:
-            opt.grad_averager.reset_accumulated_grads_()
-        tracker = opt.tracker
-        tracker.global_progress.epoch, tracker.global_progress.samples_accumulated = step, 0
-        tracker.report_local_progress(step, 0)
-        tracker.fetched_global_progress_this_epoch.clear()
-    opt._should_check_synchronization_on_update = False
-    if not opt.client_mode:
-        averager.state_sharing_priority = step
-        if opt.use_gradient_averaging:
-            opt.grad_averager.state_sharing_priority = step
-    opt.tracker.refresh_now()
-
-
-def reset_scheduler(scheduler: Any, step: int) -> None:
-    """Set an LR scheduler to where hivemind's would be at collaborative step `step` (it only ever steps forward)."""
-    if scheduler is None:
-        return
-    if not hasattr(scheduler, "last_epoch") or not hasattr(scheduler, "_step_count"):
-        raise TypeError(f"cannot rewind LR scheduler {type(scheduler).__name__}: it has no last_epoch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
-        scheduler.last_epoch, scheduler._step_count = step - 1, step
-        scheduler.step()
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------

@@ -70,10 +70,12 @@ class SwarmScheduler:
         return {} if inner is None else inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from trahiv.engine.state import catch_up_scheduler
+
         inner = self.optimizer.state_averager.scheduler
         if inner is not None and state_dict:
             inner.load_state_dict(state_dict)
-            self.optimizer.state_averager._update_scheduler()  # catch up with the restored collaborative step
+            catch_up_scheduler(self.optimizer)  # with the restored collaborative step
 
 
 class PeerShuffleSampler(torch.utils.data.Sampler[int]):
@@ -106,8 +108,9 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
         swarm = trainer.swarm
         opt = swarm.optimizer
         if state.global_step > opt.local_epoch:  # resumed from a checkpoint saved by this trainer
-            opt.state_averager.local_epoch = state.global_step
-            opt.state_averager._update_scheduler()
+            from trahiv.engine.state import set_step
+
+            set_step(opt, state.global_step)
         swarm.mark_ready()
         swarm.wait_for_peers()
         swarm.catch_up()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AuthClient", "AuthError", "AuthGate", "PeerAuth", "SwarmAuthorizer", "TokenError", "TokenInfo", "gated"]
+__all__ = ["AuthClient", "AuthError", "AuthGate", "PeerAuth", "SwarmAuthorizer", "TokenError", "TokenInfo"]
 
 _LAZY = {
     "AuthClient": "trahiv.auth.client",
@@ -21,14 +21,13 @@ _LAZY = {
     "PeerAuth": "trahiv.auth.client",
     "SwarmAuthorizer": "trahiv.auth.client",
     "AuthGate": "trahiv.auth.gate",
-    "gated": "trahiv.auth.gate",
     "TokenError": "trahiv.auth.tokens",
     "TokenInfo": "trahiv.auth.tokens",
 }
 
 if TYPE_CHECKING:
     from trahiv.auth.client import AuthClient, AuthError, PeerAuth, SwarmAuthorizer
-    from trahiv.auth.gate import AuthGate, gated
+    from trahiv.auth.gate import AuthGate
     from trahiv.auth.tokens import TokenError, TokenInfo
 
 

@@ -3,7 +3,8 @@
 hivemind's averagers accept `rpc_join_group`, `rpc_aggregate_part` and `rpc_download_state` from anyone. libp2p
 authenticates the caller's peer ID on every stream (`context.remote_id`); `AuthGate` maps a peer ID to a valid access
 token published in the DHT under `{run_id}_auth` (signed by the experiment key, unexpired, and bound to the key that
-peer ID is derived from). `gated(averager_cls, gate)` is the averager class with the gate in front of all three RPCs:
+peer ID is derived from). `trahiv.engine.gate.gated(averager_cls, gate)` is the averager class with the gate in front
+of all three RPCs:
 
 - a join request from a peer without a valid token is answered PROTOCOL_VIOLATION (the follower looks elsewhere);
 - a part for aggregation from such a peer is answered PROTOCOL_VIOLATION and never reaches the reducer;
@@ -19,12 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
+from typing import Any  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
 
-from hivemind.averaging.partition import AllreduceException
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from trahiv.auth.client import auth_key
@@ -32,7 +30,7 @@ from trahiv.auth.tokens import TokenError, TokenInfo, token_from_bytes, verify_a
 
 logger = logging.getLogger("trahiv.auth")
 
-__all__ = ["AuthGate", "gated"]
+__all__ = ["AuthGate"]
 
 MIN_FETCH_PERIOD = 1.0  # seconds between DHT reads for a peer not in the cache (an unknown caller cannot flood the DHT)
 WARN_PERIOD = 30.0  # seconds between warnings about the same refused peer
@@ -98,67 +96,3 @@ class AuthGate:
         if now - self._warned.get((peer_id, what), -float("inf")) >= WARN_PERIOD:
             self._warned[(peer_id, what)] = now
             logger.warning(f"Refused {what} from peer {peer_id}: it holds no valid access token for this run")
-
-
-class _Gated:
-    """Mixin for a hivemind DecentralizedAverager subclass: every averaging RPC passes `auth_gate` first."""
-
-    auth_gate: AuthGate  # set by gated(): a class attribute, so the class stays a class (issubclass checks, forks)
-    dht: Any
-    peer_id: PeerID
-
-    async def _admit(self, context: P2PContext, what: str) -> bool:
-        if await self.auth_gate.check(self.dht, context.remote_id) is not None:
-            return True
-        self.auth_gate.warn_refused(context.remote_id, what)
-        return False
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not await self._admit(context, "a request to join an averaging group"):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_join_group(request, context):  # type: ignore[misc]
-            yield message
-
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not await self._admit(context, "tensors for averaging"):
-            try:  # read the first message, as hivemind does, so that the refusal is delivered before the stream closes
-                await asyncio.wait_for(anext(stream), timeout=5.0)
-            except (TimeoutError, StopAsyncIteration):
-                pass
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_aggregate_part(stream, context):  # type: ignore[misc]
-            yield message
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if not await self._admit(context, "a state download request"):
-            return
-        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-            yield message
-
-    async def _run_allreduce_inplace_(self, tensors: Sequence[Any], group_info: Any, **kwargs: Any) -> None:
-        refused = []
-        for peer_id in group_info.peer_ids:
-            if peer_id != self.peer_id and await self.auth_gate.check(self.dht, peer_id) is None:
-                refused.append(peer_id)
-        if refused:
-            group_id = kwargs.get("group_id") or group_info.group_id
-            running = getattr(self, "_running_groups", {}).get(group_id)
-            if running is not None and not running.done():
-                running.cancel()  # groupmates that already sent parts here stop waiting for this peer
-            raise AllreduceException(f"leaving the averaging round: peers {refused} hold no valid access token")
-        await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)  # type: ignore[misc]
-
-
-def gated(averager_cls: type, gate: AuthGate | None) -> Any:
-    """`averager_cls` with the gate in front of its averaging RPCs (`averager_cls` itself if there is no gate)."""
-    if gate is None:
-        return averager_cls
-    return type(f"Gated{averager_cls.__name__}", (_Gated, averager_cls), {"auth_gate": gate})

@@ -21,6 +21,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
 from trahiv.auth import keys
+from trahiv.engine.identity import private_key_from_der
 
 __all__ = [
     "AccessToken",
@@ -120,10 +121,3 @@ def load_identity(path: str, create: bool = True) -> RSAPrivateKey:
     if proto.key_type != crypto_pb2.RSA:
         raise TokenError(f"identity file {path!r} holds a non-RSA key; with auth the identity must be an RSA key")
     return private_key_from_der(proto.data)
-
-
-def private_key_from_der(der: bytes) -> RSAPrivateKey:
-    """hivemind's RSAPrivateKey from its DER bytes (`RSAPrivateKey.to_bytes()`)."""
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": der})  # the engine's own unpickling path for DER keys
-    return key

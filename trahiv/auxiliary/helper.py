@@ -113,7 +113,9 @@ class AveragingHelper:
             control.cancel()
         try:
             if self.tracker is not None:
-                _stop_tracker(self.tracker, timeout)
+                from trahiv.engine.optimizer import stop_tracker_quietly
+
+                stop_tracker_quietly(self.tracker, timeout)
             if self.averager is not None:
                 self.averager.round_reports()  # the last reports, into round_counts
                 self.rounds = dict(self.averager.round_counts)
@@ -144,7 +146,7 @@ class AveragingHelper:
 
         from trahiv import engine
         from trahiv.compression import make_compression
-        from trahiv.swarm import SwarmProgressTracker, grad_averager_factory, tracker_opts
+        from trahiv.engine.optimizer import SwarmProgressTracker, grad_averager_factory, tracker_opts
 
         assert self.config is not None
         opt = self.config.opt
@@ -213,13 +215,14 @@ class AveragingHelper:
 
     def _tick(self) -> None:
         assert self.config is not None
-        from hivemind.averaging.control import AveragingStage
         from hivemind.utils import get_dht_time
+
+        from trahiv.engine.optimizer import in_group as group_formed
 
         opt, tracker, control = self.config.opt, self.tracker, self._control
         pending = control is not None and not control.triggered and not control.done()
         eta = tracker.global_progress.eta_next_epoch - get_dht_time()
-        in_group = pending and control.stage == AveragingStage.AWAITING_TRIGGER
+        in_group = pending and group_formed(control)
         if (eta <= 0 or in_group or tracker.ready_to_update_epoch) and time.monotonic() >= self._next_refresh:
             # due, or the trainers' group (this peer included) waits for the samples, or they are averaging: look at
             # the progress now, not at the tracker's next fetch (trainers would wait for this peer's share)
@@ -287,19 +290,6 @@ class AveragingHelper:
             for report in self.averager.round_reports():  # also counted in the averager's round_counts
                 logger.info(f"Averaging helper, step {step}: {report.describe()}")
         self.rounds = dict(self.averager.round_counts)
-
-
-def _stop_tracker(tracker: Any, timeout: float) -> None:
-    """ProgressTracker.shutdown() without its last DHT store (it withdraws this peer's progress record, which a peer
-    that reports no samples never published; hivemind drops that store's future, and the DHT process then logs an
-    error reading it while this process exits)."""
-    tracker.shutdown_triggered.set()
-    tracker.should_report_progress.set()
-    tracker.global_state_updated.set()
-    tracker.shutdown_complete.wait(timeout)
-
-
-# --- `trahiv aux` flags -------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

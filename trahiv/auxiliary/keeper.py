@@ -32,12 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from hivemind.compression import CompressionInfo
-from hivemind.compression.base import TensorRole
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from trahiv import engine
-from trahiv.auth.gate import gated
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
     latest_checkpoint,
@@ -49,7 +45,8 @@ from trahiv.auxiliary.checkpoints import (
     swarm_parameters,
 )
 from trahiv.auxiliary.state import StateKeeperConfig, load_model
-from trahiv.averaging.robust import CheckedStateDownload
+from trahiv.engine.gate import gated
+from trahiv.engine.state import StateMirror
 from trahiv.swarm import newest_served_step  # (importing trahiv.swarm applies the engine fixes)
 
 if TYPE_CHECKING:
@@ -57,77 +54,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trahiv.auxiliary.keeper")
 
-__all__ = ["StateKeeper", "StateMirror"]
+__all__ = ["StateKeeper"]
 
 # A peer's state declaration outlives it by up to hivemind's declare_state_period (30 s): after a download that got
 # nothing newer, the same declared step is not asked for again before this many seconds.
 RETRY_SECONDS = 30.0
-
-
-class StateMirror(CheckedStateDownload):
-    """A state averager that averages nothing: it downloads the swarm's state (checked like a trainer's download) and
-    serves the state it holds under the trainers' `{run_id}_state_averager` prefix, in their format."""
-
-    def __init__(self, *, dht: Any, run_id: str, **kwargs: Any):
-        self._lock = threading.Lock()
-        self._state: SwarmState | None = None
-        super().__init__(
-            averaged_tensors=[torch.zeros(1)],  # never averaged: this peer only downloads and serves state
-            dht=dht,
-            prefix=f"{run_id}_state_averager",
-            allow_state_sharing=False,
-            start=True,
-            **kwargs,
-        )
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        return TrainingStateAverager._get_handle_name(namespace, method_name)  # the trainers' RPC names
-
-    @property
-    def state(self) -> SwarmState | None:
-        with self._lock:
-            return self._state
-
-    def serve(self, state: SwarmState) -> None:
-        """Hold `state` and offer it to peers, with its step as priority."""
-        with self._lock:
-            self._state = state
-        if not self.client_mode:
-            self.allow_state_sharing = True
-            self.state_sharing_priority = state.step
-
-    def withdraw(self) -> None:
-        """Hold and offer no state any more."""
-        with self._lock:
-            self._state = None
-        if not self.client_mode:
-            self.allow_state_sharing = False
-
-    def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
-        """What a peer downloading from this one receives (runs in this process, on the averager's request)."""
-        state = self.state
-        if state is None:
-            return None, [], []  # the peer asks the next one
-        roles = [TensorRole.PARAMETER] * len(state.parameters) + [TensorRole.OPTIMIZER] * len(state.optimizer_tensors)
-        tensors = state.tensors
-        infos = [
-            CompressionInfo.from_tensor(t, key=i, role=role)
-            for i, (t, role) in enumerate(zip(tensors, roles, strict=True))
-        ]
-        return state.peer_metadata(self.get_group_bits()), tensors, infos
-
-    def _expected_state_shapes(self) -> list[tuple] | None:
-        state = self.state
-        return None if state is None else [tuple(t.shape) for t in state.tensors]
-
-    def download(self, num_parameters: int, timeout: float) -> SwarmState | None:
-        """The newest state another peer serves (None if nobody serves one that passes the checks)."""
-        loaded = self.load_state_from_peers(timeout=timeout)
-        if loaded is None:
-            return None
-        metadata, tensors = loaded
-        return SwarmState.from_peer(metadata, tensors, num_parameters)
 
 
 class StateKeeper:
@@ -263,7 +194,8 @@ class StateKeeper:
         if served == self._failed_step and time.monotonic() < self._retry_at:
             return None  # the peers that declared this step did not serve it (they may have left): wait
         self._failed_step, self._retry_at = served, time.monotonic() + RETRY_SECONDS  # until this one succeeds
-        state = self.mirror.download(len(self.named), self.config.load_state_timeout)
+        raw = self.mirror.download(self.config.load_state_timeout)
+        state = None if raw is None else SwarmState.from_peer(*raw, len(self.named))
         if state is None or (held is not None and state.step <= held):
             return None
         self._check_model(state)

@@ -11,7 +11,7 @@ not sent yet; `step()` still returns success. Here every round ends with a `Roun
 
 A round is complete only when all three are empty. Handling is deliberate: un-averaged values keep their local values
 (hivemind's fallback), the round is logged at WARNING with the peers and fractions, and it is counted as partial (or
-failed), never as complete: see `ReportingMixin.round_counts` and `Swarm.metrics()`.
+failed), never as complete: see `trahiv.engine.averagers.ReportingMixin` and `Swarm.metrics()`.
 
 Deadlines (`Deadlines`) come from the round's payload and the bandwidth measured in earlier complete rounds: a sender or
 reducer that sends nothing for `chunk_timeout` is dropped, and the whole round is bounded by `round_timeout`. A peer
@@ -21,45 +21,16 @@ allreduce_timeout (60-120 s, or unbounded).
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
-import math
-import multiprocessing as mp
-import queue
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.partition import AllreduceException
-
-from trahiv.averaging.robust import (
-    MEAN,
-    Aggregation,
-    RobustAllReduceRunner,
-    RobustGradientAverager,
-    RobustTrainingStateAverager,
-    run_robust_allreduce_,
-)
 
 logger = logging.getLogger("trahiv.averaging")
-_ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("trahiv_round_reported")
 
-__all__ = [
-    "Deadlines",
-    "PartialRoundRunner",
-    "ReportingAverager",
-    "ReportingGradientAverager",
-    "ReportingMixin",
-    "ReportingStateAverager",
-    "RobustAverager",
-    "RoundReport",
-    "compressed_sizes",
-    "payload_bytes",
-]
+__all__ = ["Deadlines", "RoundReport", "butterfly_bytes", "compressed_sizes", "payload_bytes"]
 
 
 @dataclass(frozen=True)
@@ -167,205 +138,3 @@ def compressed_sizes(
 def payload_bytes(tensors: Sequence[torch.Tensor], compression: Any, tensor_infos: Sequence[Any] | None) -> int:
     """The compressed size of `tensors` (S in the bound 2 (N - 1) / N x S / B)."""
     return sum(compressed_sizes(tensors, compression, tensor_infos))
-
-
-class PartialRoundRunner(RobustAllReduceRunner):
-    """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index)."""
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.local_fallback: dict[int, int] = {}
-        container = self.tensor_part_container
-        register_failed_reducer = container.register_failed_reducer
-
-        def record_failed_reducer(peer_index: int) -> None:
-            before = container.failed_size
-            register_failed_reducer(peer_index)
-            self.local_fallback[peer_index] = self.local_fallback.get(peer_index, 0) + container.failed_size - before
-
-        container.register_failed_reducer = record_failed_reducer  # type: ignore[method-assign]
-        self.reasons: dict[str, str] = {}
-
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
-        try:
-            await super()._communicate_with_peer(peer_id)
-        except Exception as e:  # hivemind logs this at DEBUG only: keep it for the round's report
-            self.reasons[peer_id.to_base58()] = repr(e) or type(e).__name__
-            raise
-
-    async def _ban_sender(self, peer_id: Any) -> None:
-        self.reasons.setdefault(peer_id.to_base58(), "stopped sending (or never started) before its deadline")
-        await super()._ban_sender(peer_id)
-
-    def missing_senders(self) -> dict[int, int]:
-        """sender index -> values this peer reduced without that sender (it stopped or never started sending)."""
-        reducer = self.tensor_part_reducer
-        missing = {}
-        for sender, failed_after in enumerate(reducer.sender_failed_after):
-            if failed_after != float("inf"):
-                values = sum(math.prod(shape) for shape in reducer.part_shapes[int(failed_after) :])
-                if values:
-                    missing[sender] = values
-        return missing
-
-    def report(self, seconds: float, payload: int, error: BaseException | None) -> RoundReport:
-        names = [peer.to_base58() for peer in self.ordered_peer_ids]
-        senders = [peer.to_base58() for peer in self.sender_peer_ids]
-        return RoundReport(
-            peers=tuple(names),
-            total_values=self.tensor_part_container.total_size,
-            seconds=seconds,
-            payload_bytes=payload,
-            local_fallback={names[i]: v for i, v in self.local_fallback.items() if v},
-            missing_senders={senders[i]: v for i, v in self.missing_senders().items()},
-            error=None if error is None else repr(error),
-            reasons=dict(self.reasons),
-        )
-
-
-class ReportingMixin:
-    """For hivemind averagers: run rounds with `PartialRoundRunner` under `Deadlines`, report every round.
-
-    Reports travel from the averager process to this one through a queue; `round_reports()` collects them and
-    `round_counts` counts complete / partial / failed rounds. Call `_init_reporting()` before the averager starts.
-    """
-
-    runner_cls: type[PartialRoundRunner] = PartialRoundRunner  # tests inject faults through a subclass
-    aggregation: Aggregation
-    deadlines: Deadlines | None
-    reports: list[RoundReport]
-    round_counts: dict[str, int]
-    _report_queue: Any
-
-    def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
-        self.aggregation, self.deadlines = aggregation, deadlines
-        self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
-        self._report_queue = mp.get_context("fork").SimpleQueue()
-
-    def round_reports(self) -> list[RoundReport]:
-        """Reports of rounds finished since the last call (in the process that created the averager)."""
-        new = []
-        while not self._report_queue.empty():
-            try:
-                new.append(RoundReport(**self._report_queue.get()))
-            except (queue.Empty, EOFError, OSError):
-                break
-        for report in new:
-            self.round_counts[report.status] += 1
-        self.reports = (self.reports + new)[-100:]
-        return new
-
-    async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
-    ) -> None:
-        group_size = len(group_info.peer_ids)
-        sizes = compressed_sizes(tensors, kwargs.get("compression"), kwargs.get("tensor_infos"))
-        payload, timeout = sum(sizes), None
-        if self.deadlines is not None:  # parts never span tensors: none is larger than the largest tensor
-            part_bytes = min(kwargs.get("part_size_bytes", 2**19), max(sizes, default=1))
-            chunk = self.deadlines.chunk_timeout(part_bytes, group_size)
-            if kwargs.get("sender_timeout") is None:
-                kwargs["sender_timeout"], kwargs["reducer_timeout"] = chunk, 2 * chunk
-            timeout = self.deadlines.round_timeout(payload, group_size)
-        started, error = time.perf_counter(), None
-        try:
-            run = super()._run_allreduce_inplace_(  # type: ignore[misc]
-                tensors, group_info, group_id=group_id, runner_cls=self.runner_cls, **kwargs
-            )
-            await asyncio.wait_for(run, timeout)
-        except TimeoutError as e:
-            error = AllreduceException(f"all-reduce did not finish within its deadline of {timeout:.1f} s")
-            if self.deadlines is not None:
-                self.deadlines.observe_timeout()
-            raise error from e
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            self._report_round(group_id or group_info.group_id, time.perf_counter() - started, payload, error)
-
-    async def _step(self, *, step: Any, future_for_init: Any) -> None:
-        """hivemind's step, in the averager process, and a `failed` report for a step that ended in an error before
-        any all-reduce began (no group formed: hivemind 1.1.12 logs it and falls back to local values, and nothing
-        counted it). A step cancelled by its owner (e.g. no other peer was left) is not a failure."""
-        started, reported = time.perf_counter(), [False]
-        token = _ROUND_REPORTED.set(reported)  # child tasks share the list: _report_round marks it
-        try:
-            await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
-        finally:
-            _ROUND_REPORTED.reset(token)
-            error = step.exception() if step.done() and not step.cancelled() else None
-            if error is not None and not reported[0]:
-                seconds = time.perf_counter() - started
-                why = f"no averaging group formed ({error!r})"
-                report = RoundReport(peers=(), total_values=0, seconds=seconds, payload_bytes=0, error=why)
-                logger.info(report.describe())
-                self._report_queue.put(asdict(report))
-
-    def _report_round(self, group_id: bytes, seconds: float, payload: int, error: BaseException | None) -> None:
-        averager: Any = self
-        future = averager._running_groups.get(group_id)
-        if (
-            future is None
-            or not future.done()
-            or future.cancelled()
-            or not isinstance(future.result(), PartialRoundRunner)
-        ):
-            return  # the round failed before it started: `_step` reports that failure
-        _ROUND_REPORTED.get([False])[0] = True  # (a default list when called outside `_step`)
-        report = future.result().report(seconds, payload, error)
-        if report.complete and self.deadlines is not None:
-            self.deadlines.observe(payload, len(report.peers), seconds)
-        (logger.debug if report.complete else logger.warning)(report.describe())
-        self._report_queue.put(asdict(report))
-
-
-class RobustAverager(DecentralizedAverager):
-    """hivemind's DecentralizedAverager with trahiv's robust all-reduce (every peer weighs `weight`)."""
-
-    aggregation: Aggregation
-
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
-        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, **kwargs)
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        return DecentralizedAverager._get_handle_name(namespace, method_name)
-
-
-class ReportingAverager(ReportingMixin, RobustAverager):
-    """A generic averager (any tensors) with robust aggregation, deadlines and round reports."""
-
-    def __init__(self, *args: Any, deadlines: Deadlines | None = None, aggregation: Aggregation = MEAN, **kwargs: Any):
-        self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
-        super().__init__(*args, **kwargs)
-
-
-class ReportingGradientAverager(ReportingMixin, RobustGradientAverager):
-    """trahiv's robust gradient averager with deadlines and round reports."""
-
-    def __init__(self, *args: Any, deadlines: Deadlines | None = None, aggregation: Aggregation = MEAN, **kwargs: Any):
-        self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
-        super().__init__(*args, aggregation=aggregation, **kwargs)
-
-
-class ReportingStateAverager(ReportingMixin, RobustTrainingStateAverager):
-    """trahiv's robust state averager (parameters, optimizer statistics) with deadlines and round reports."""
-
-    def __init__(self, *args: Any, deadlines: Deadlines | None = None, aggregation: Aggregation = MEAN, **kwargs: Any):
-        self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
-        super().__init__(*args, aggregation=aggregation, **kwargs)
-
-    def step(
-        self, *args: Any, delay_optimizer_step: bool = False, delay_averaging: bool | None = None, **kwargs: Any
-    ) -> Any:
-        """hivemind 1.1.12 asserts that a delayed optimizer step comes with delayed parameter averaging, even in a step
-        that does not average, and trahiv refuses delayed parameter averaging (it corrupts parameters): so
-        `delay_optimizer_step` crashed at the first collaborative step. Here a step without an averaging round
-        delays its optimizer step (there is no averaging to delay), and a step with one runs both in the foreground."""
-        if delay_optimizer_step and delay_averaging is not None and not delay_averaging:
-            if kwargs.get("averaging_round"):
-                delay_optimizer_step = False
-            else:
-                delay_averaging = True
-        return super().step(*args, delay_optimizer_step=delay_optimizer_step, delay_averaging=delay_averaging, **kwargs)

@@ -86,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
         state = checkpoint.swarm_state()
 
     from trahiv import engine
-    from trahiv.auth import AuthError, AuthGate, gated
+    from trahiv.auth import AuthError, AuthGate
     from trahiv.auth.revert import SignedRevertOrder, verify_order
-    from trahiv.auxiliary.keeper import StateMirror
+    from trahiv.engine.gate import gated
+    from trahiv.engine.state import StateMirror
     from trahiv.revert import RevertWatcher, parameters_digest
     from trahiv.swarm import _start_auth, start_dht
 

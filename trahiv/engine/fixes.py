@@ -13,6 +13,10 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
 4. Noise: a round in which no averaging group formed is logged by hivemind at ERROR with a traceback ("Averaging step
    failed: could not find a group"), every time, though nothing broke; trahiv counts and reports such rounds itself
    (`trahiv.averaging.partial.ReportingMixin`): the record is kept as one INFO line without the traceback.
+5. Matchmaking keys: after each group, hivemind 1.1.12 shifts bucket bits into an averager's group bits (its scheme
+   for swarms split into groups of `target_group_size`), even with no target size. trahiv keys matchmaking by the
+   collaborative step in those bits (`trahiv.engine.averagers.EpochKeyedMatchmaking`): a retry after a failed round
+   would look under another key than its peers'. Bits of trahiv's width are kept when no target size is set.
 (The `client_mode` bug is fixed in `trahiv.swarm.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 HIVEMIND_VERSION = "1.1.12"
+EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
 PARENT_POLL_SECONDS = 0.25
 _applied = False
 
@@ -47,7 +52,16 @@ def apply() -> None:
     _fix_orphans()
     _fix_quantization()
     _quiet_no_group()
+    _keep_epoch_keys()
     _applied = True
+
+
+def _replace(cls: Any, name: str, replacement: Any) -> None:
+    """Patch `cls.name`, remembering hivemind's function as `__wrapped__` (trahiv.engine.internals checks its
+    signature, not the patch's)."""
+    current = cls.__dict__.get(name) or getattr(cls, name)
+    replacement.__wrapped__ = getattr(current, "__wrapped__", current)
+    setattr(cls, name, replacement)
 
 
 # 1. SIGINT ---------------------------------------------------------------------------------------------------------
@@ -75,7 +89,7 @@ def _fix_sigint() -> None:
         if await_ready:
             self.wait_until_ready(timeout)
 
-    DecentralizedAverager.run_in_background = run_in_background
+    _replace(DecentralizedAverager, "run_in_background", run_in_background)
 
 
 @contextlib.contextmanager
@@ -154,7 +168,7 @@ def _guard_run(cls: Any) -> None:
         return original(self)
 
     run._trahiv_guarded = True  # type: ignore[attr-defined]
-    cls.run = run
+    _replace(cls, "run", run)
 
 
 def _fix_orphans() -> None:
@@ -229,8 +243,8 @@ def _extract_blockwise(self, serialized_tensor) -> torch.Tensor:
 def _fix_quantization() -> None:
     from hivemind.compression import quantization
 
-    quantization.Quantization.extract = _extract_quantized
-    quantization.BlockwiseQuantization.extract = _extract_blockwise
+    _replace(quantization.Quantization, "extract", _extract_quantized)
+    _replace(quantization.BlockwiseQuantization, "extract", _extract_blockwise)
 
 
 # 4. "could not find a group" -----------------------------------------------------------------------------------------
@@ -252,3 +266,22 @@ def _quiet_no_group() -> None:
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     if not any(isinstance(f, NoGroupIsNotAnError) for f in averager_logger.filters):
         averager_logger.addFilter(NoGroupIsNotAnError())
+
+
+# 5. Matchmaking keys ------------------------------------------------------------------------------------------------
+
+
+def _keep_epoch_keys() -> None:
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    original = GroupKeyManager.update_key_on_group_assembled
+    if getattr(original, "_trahiv_epoch_keys", False):
+        return
+
+    async def update_key_on_group_assembled(self, group_info) -> None:
+        if self.target_group_size is None and len(self.group_bits) == EPOCH_KEY_BITS:
+            return  # trahiv's step key: the same for every peer of the round, kept for its retries
+        await original(self, group_info)
+
+    update_key_on_group_assembled._trahiv_epoch_keys = True  # type: ignore[attr-defined]
+    _replace(GroupKeyManager, "update_key_on_group_assembled", update_key_on_group_assembled)

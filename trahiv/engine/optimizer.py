@@ -1,0 +1,404 @@
+"""The collaborative optimizer behind the boundary: hivemind 1.1.12's Optimizer and ProgressTracker with trahiv's
+protocol fixes, and the one place where a peer's averagers are built (`grad_averager_factory`, `state_averager_cls`).
+
+Protocol (what hivemind 1.1.12 does differently, and why it matters for small, uneven swarms):
+- a step advances only once the swarm *reported* target_batch_size samples (hivemind also advances on its ETA);
+- progress records are announced before the first local step, so a fast peer's first step counts the others;
+- matchmaking is keyed by the collaborative step (`EpochKeyedMatchmaking`): a peer at step k never averages into k+1;
+- a peer that the swarm left behind (its round is over without it) downloads the swarm's state instead of stepping
+  alone with local gradients;
+- a record far ahead of this peer is checked at once by downloading the swarm's state (a 2-peer swarm has no quorum to
+  confirm it); forged records cannot move the swarm (see `SwarmProgressTracker`);
+- a failed round steps with this peer's gradients (`RobustGradientAverager`), and is counted as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import hivemind
+from hivemind.averaging.control import AveragingStage
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from trahiv.averaging import Aggregation, Deadlines
+from trahiv.config import OptimizerConfig
+from trahiv.engine import fixes
+from trahiv.engine.averagers import (
+    ReportingGradientAverager,
+    ReportingMixin,
+    ReportingStateAverager,
+    RobustGradientAverager,
+    RobustPowerSGDGradientAverager,
+    RobustTrainingStateAverager,
+)
+from trahiv.engine.gate import gated
+
+if TYPE_CHECKING:
+    from trahiv.auth.gate import AuthGate
+
+logger = logging.getLogger("trahiv.swarm")
+
+__all__ = [
+    "SwarmOptimizer",
+    "SwarmProgressTracker",
+    "grad_averager_factory",
+    "in_group",
+    "newest_served_step",
+    "stop_tracker_quietly",
+    "request_timeout",
+    "tracker_opts",
+    "trusted_epoch",
+]
+
+_GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
+UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
+PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
+
+
+def in_group(control: Any) -> bool:
+    """A scheduled round (hivemind's StepControl) whose group formed and has not finished."""
+    return control is not None and not control.done() and control.stage in _GROUP_FORMED
+
+
+def newest_served_step(dht: hivemind.DHT, run_id: str) -> int:
+    """The highest collaborative step another peer offers its state at: trainers and auxiliary peers declare the
+    step of the state they serve as their state-sharing priority under `{run_id}_state_averager.all_averagers`."""
+    found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    own = dht.peer_id.to_bytes()
+    steps = [getattr(entry, "value", None) for peer, entry in entries.items() if peer != own]
+    valid = [int(s) for s in steps if isinstance(s, int | float) and not isinstance(s, bool) and 0 <= s < 2**62]
+    return max(valid, default=0)
+
+
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's tracker, stricter and more talkative.
+
+    - The collaborative step advances only once the swarm *reported* `target_batch_size` samples (or another peer
+      already moved on); hivemind 1.1.12 also advances when its throughput-based ETA runs out.
+    - It keeps the set of active peers and the swarm's total samples/s, and logs peers joining and leaving.
+    - Forged records cannot move the swarm: a record more than one step ahead of this peer counts only if a quorum
+      of peers reports that far (a lone one is checked by downloading the swarm's state, see SwarmOptimizer), and a
+      record's samples_accumulated counts for at most target_batch_size.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.active_peers: dict[str, LocalTrainingProgress] = {}
+        self.swarm_samples_per_second = 0.0
+        self.ignored_records: dict[str, int] = {}  # peer -> the unconfirmed step its record reports
+        self.unconfirmed_epoch = 0
+        self.peer_filter: Callable[[], set[str] | None] | None = None  # after a revert: the peers that applied it
+        self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return (
+            self.global_epoch > self.local_progress.epoch
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+        )
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        return get_dht_time() if self.ready_to_update_epoch else self.global_progress.eta_next_epoch
+
+    @property
+    def has_other_peers(self) -> bool:
+        own = self.dht.peer_id.to_base58()
+        return any(peer != own for peer in self.active_peers)
+
+    def announce(self) -> None:
+        """Publish this peer's progress record now (step, no samples yet). hivemind's reporter publishes only once a
+        peer has accumulated samples, so until its first local step ended, no peer counted it: the first step of a
+        fast peer then reached target_batch_size alone."""
+        self.dht.store(
+            key=self.training_progress_key,
+            subkey=self._local_public_key,
+            value=self.local_progress.dict(),
+            expiration_time=get_dht_time() + self.metadata_expiration,
+        )
+
+    def refresh_now(self) -> None:
+        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
+        with self.lock_global_progress:
+            found = self.dht.get(self.training_progress_key, latest=True)
+            self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
+
+    def _parse_swarm_progress_data(self, metadata: Any):
+        records = self._trusted_records(self._well_formed_records(metadata))
+        sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
+        progress = super()._parse_swarm_progress_data(sanitized)
+        peers = {PeerID(record.peer_id).to_base58(): record for record, _ in records.values()}
+        own = self.dht.peer_id.to_base58()
+        for peer in peers.keys() - self.active_peers.keys():
+            if peer != own:
+                logger.info(f"Peer joined the swarm: {peer} ({len(peers)} active)")
+        for peer in self.active_peers.keys() - peers.keys():
+            if peer != own:
+                logger.info(f"Peer left the swarm: {peer} ({len(peers)} active)")
+        self.active_peers = peers
+        others = sum(record.samples_per_second for peer, record in peers.items() if peer != own)
+        self.swarm_samples_per_second = others + self.performance_ema.samples_per_second
+        return progress
+
+    def _well_formed_records(self, metadata: Any) -> dict[Any, tuple[LocalTrainingProgress, float]]:
+        """Records that parse, by DHT subkey, with samples_accumulated capped at target_batch_size."""
+        records = {}
+        for key, entry in metadata.items() if isinstance(metadata, dict) else ():
+            try:  # records passed the DHT's schema validator; a bad one must still never stop this thread
+                record = LocalTrainingProgress.parse_obj(entry.value)
+                PeerID(record.peer_id).to_base58()
+            except Exception as e:
+                logger.debug(f"Ignoring a malformed progress record: {e!r}")
+                continue
+            record.samples_accumulated = min(record.samples_accumulated, self.target_batch_size)
+            records[key] = (record, entry.expiration_time)
+        return records
+
+    def _trusted_records(
+        self, records: dict[Any, tuple[LocalTrainingProgress, float]]
+    ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
+        """Drop records more than one step ahead of this peer unless a quorum of peers reports that far (one forged
+        record must not move the swarm); remember the highest dropped epoch in `unconfirmed_epoch`."""
+        allowed = self.peer_filter() if self.peer_filter is not None else None
+        if allowed is not None:  # a revert's grace period: peers far ahead that did not apply it train in the old state
+            self.ignored_records, self.unconfirmed_epoch, limit = {}, 0, self.local_progress.epoch + 1
+            kept = [k for k, (r, _) in records.items() if r.epoch <= limit or PeerID(r.peer_id).to_base58() in allowed]
+            return {k: records[k] for k in kept}
+        limit = trusted_epoch([record.epoch for record, _ in records.values()], self.local_progress.epoch)
+        trusted, dropped = {}, {}
+        for key, (record, expiration) in records.items():
+            if record.epoch <= limit:
+                trusted[key] = (record, expiration)
+            else:
+                dropped[PeerID(record.peer_id).to_base58()] = record.epoch
+        for peer, epoch in dropped.items():
+            if (peer, epoch) not in self._reported:
+                self._reported.add((peer, epoch))
+                logger.warning(
+                    f"Ignoring the progress record of peer {peer}: step {epoch} is ahead of this peer's step "
+                    f"{self.local_progress.epoch} and not confirmed by other peers"
+                )
+        self.ignored_records = dropped
+        self.unconfirmed_epoch = max(dropped.values(), default=0)
+        return trusted
+
+
+def trusted_epoch(epochs: list[int], local_epoch: int) -> int:
+    """The highest step a progress record may report: one ahead of this peer's, or more where at least
+    max(2, majority of the records) report at least that much."""
+    quorum = max(2, len(epochs) // 2 + 1)
+    ahead = sorted((epoch for epoch in epochs if epoch > local_epoch + 1), reverse=True)
+    return ahead[quorum - 1] if len(ahead) >= quorum else local_epoch + 1
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer with trahiv's fixes: the DHT's client mode is always honoured (1.1.12 drops it), each step
+    can report its true number of samples, and the samples this peer contributed are counted."""
+
+    tracker: SwarmProgressTracker
+    state_averager_cls: type[RobustTrainingStateAverager] = ReportingStateAverager  # tests swap in a faulty one
+
+    def __init__(self, *, dht: hivemind.DHT, state_averager_cls: type | None = None, **kwargs: Any):
+        if state_averager_cls is not None:  # e.g. with the auth gate (trahiv.auth.gate)
+            self.state_averager_cls = state_averager_cls
+        kwargs["client_mode"] = dht.client_mode  # 1.1.12 reads `client_mode` inverted: pass the DHT's explicitly
+        self.pending_batch_size: int | None = None
+        self.samples_contributed = 0
+        self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
+        self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
+        self._next_progress_check = 0.0
+        super().__init__(dht=dht, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        """hivemind's state averager, but parameters with non-finite values are excluded from averaging rounds and a
+        downloaded state is checked before it is loaded."""
+        if issubclass(self.state_averager_cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
+            kwargs.setdefault("deadlines", Deadlines())
+        return self.state_averager_cls(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    def averaging_rounds(self) -> dict[str, int]:
+        """Averaging rounds (gradients and state) that were complete, partial or failed, as this peer saw them."""
+        counts = {"complete": 0, "partial": 0, "failed": 0}
+        for averager in (self.state_averager, getattr(self, "grad_averager", None)):
+            if isinstance(averager, ReportingMixin):
+                averager.round_reports()
+                for status, count in averager.round_counts.items():
+                    counts[status] += count
+        return counts
+
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's rule, plus: a lone record far ahead (ignored by the tracker) is checked by downloading the
+        swarm's state, at most once per UNCONFIRMED_CHECK_PERIOD; what the peers serve decides the step.
+        Never during the grace period after a revert: trahiv.revert downloads only from peers that applied it."""
+        if self.revert is not None and self.revert.in_grace():
+            return False
+        if super()._should_load_state_from_peers():
+            return True
+        if self.tracker.unconfirmed_epoch <= self.local_epoch + 1 or time.monotonic() < self._next_unconfirmed_check:
+            return False
+        self._next_unconfirmed_check = time.monotonic() + UNCONFIRMED_CHECK_PERIOD
+        logger.info(f"A peer reports step {self.tracker.unconfirmed_epoch}: checking with the swarm's state")
+        return True
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        return SwarmProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    # While no other peer is in the swarm, hivemind 1.1.12 still keeps a matchmaking round open for every step that
+    # ends within matchmaking_time: the averager and the DHT then burn ~30% of a core each, polling for a group.
+    # A peer that arrives later is seen at the next progress fetch, and scheduling resumes.
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.has_other_peers:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.has_other_peers:
+            super()._maybe_schedule_state_averaging()
+
+    def _key_rounds_by_step(self) -> None:
+        """Matchmaking of this step's rounds is keyed by the step (see EpochKeyedMatchmaking): the gradient round that
+        ends step k, and the parameter round that hivemind runs as the step becomes k + 1."""
+        self.state_averager.round_epoch = self.local_epoch + 1
+        if self.grad_averager is not None:
+            self.grad_averager.round_epoch = self.local_epoch
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
+        if self._missed_the_round():
+            logger.info(
+                f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
+                "stepping alone"
+            )
+            self.load_state_from_peers()
+            return
+        self._key_rounds_by_step()
+        super()._update_global_epoch(grad_scaler)
+
+    def _missed_the_round(self) -> bool:
+        """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
+        round is over. hivemind would run a round of its own (with nobody: local gradients) and step, leaving this
+        peer with other parameters than the swarm's; the late joiner's first steps did exactly that."""
+        if self.auxiliary or not self.use_gradient_averaging or self.tracker.global_epoch <= self.local_epoch:
+            return False
+        control: Any = getattr(self, "scheduled_grads", None)
+        if in_group(control) or newest_served_step(self.dht, self.run_id) < self.tracker.global_epoch:
+            return False  # in their round after all, or nobody serves the swarm's state: step with what we have
+        if control is not None and not control.done():
+            control.cancel()
+        self.scheduled_grads = None
+        return True
+
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        batch_size = batch_size if batch_size is not None else self.pending_batch_size
+        self.pending_batch_size = None
+        self._key_rounds_by_step()
+        try:
+            if self.revert is not None and self.revert.maybe_apply(self):
+                return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
+            self._refresh_progress_if_due()
+            return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        finally:
+            fixes.raise_if_interrupted()  # a Ctrl+C / SIGTERM that hivemind swallowed while averaging
+
+    def _refresh_progress_if_due(self) -> None:
+        """hivemind fetches the swarm's progress only every 0.5-10 s (tracker refresh periods); until then a peer
+        whose own samples do not reach target_batch_size keeps accumulating, well past the target when local steps are
+        short (4 peers x 1 step of target: ~4x the target per collaborative step, benchmarks/convergence.py). Once the
+        swarm should have reached the target by hivemind's estimate (its ETA, on which trahiv does not step), fetch
+        the progress before each local step, at most every PROGRESS_RECHECK_PERIOD seconds."""
+        tracker, now = self.tracker, time.monotonic()
+        if self.auxiliary or now < self._next_progress_check or tracker.ready_to_update_epoch:
+            return
+        if get_dht_time() < tracker.global_progress.eta_next_epoch:
+            return
+        self._next_progress_check = now + PROGRESS_RECHECK_PERIOD
+        tracker.refresh_now()
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Any) -> bool:
+        accumulated = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        if accumulated:
+            self.samples_contributed += batch_size
+        return accumulated
+
+
+# --- how every peer of a swarm builds its averagers (trainers, and the auxiliary peer that helps average) -------------
+
+
+def request_timeout(opt: OptimizerConfig) -> float:
+    """Matchmaking requests must time out before the matchmaking window closes (the engine warns otherwise)."""
+    return min(3.0, opt.matchmaking_time / 2)
+
+
+def tracker_opts(opt: OptimizerConfig) -> dict[str, Any]:
+    """Progress refresh periods: peers must notice that the swarm moved on while the averaging group still forms."""
+    refresh = min(10.0, opt.matchmaking_time / 2)
+    return {"max_refresh_period": refresh, "default_refresh_period": min(3.0, refresh),
+            "min_refresh_period": min(0.5, refresh), **opt.tracker_opts}  # fmt: skip
+
+
+def grad_averager_factory(
+    opt: OptimizerConfig, gate: AuthGate | None, cls: type[RobustGradientAverager] = ReportingGradientAverager
+) -> Callable[..., RobustGradientAverager]:
+    """The swarm's gradient averager (hivemind.Optimizer's `grad_averager_factory`): robust aggregation, weights
+    clamped to the samples each peer reported, partial rounds reported under payload-based deadlines, PowerSGD when
+    asked, and (moderated swarms) only token holders served."""
+    progress_key = f"{opt.run_id}_progress"  # weights are clamped to the samples each peer reported there
+    if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
+        return partial(
+            gated(RobustPowerSGDGradientAverager, gate),
+            averager_rank=opt.power_sgd_rank,
+            request_timeout=request_timeout(opt),
+            progress_key=progress_key,
+            deadlines=Deadlines(),
+        )
+    factory = partial(
+        gated(cls, gate),
+        request_timeout=request_timeout(opt),
+        aggregation=Aggregation(**opt.aggregation.model_dump()),
+        progress_key=progress_key,
+    )
+    if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
+        factory = partial(factory, deadlines=Deadlines())
+    return factory
+
+
+def stop_tracker_quietly(tracker: Any, timeout: float) -> None:
+    """ProgressTracker.shutdown() without its last DHT store (it withdraws this peer's progress record, which a peer
+    that reports no samples never published; hivemind drops that store's future, and the DHT process then logs an
+    error reading it while this process exits)."""
+    tracker.shutdown_triggered.set()
+    tracker.should_report_progress.set()
+    tracker.global_state_updated.set()
+    tracker.shutdown_complete.wait(timeout)
+
+
+# --- `trahiv aux` flags -------------------------------------------------------------------------------------------
