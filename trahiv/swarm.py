@@ -29,6 +29,7 @@ from trahiv.engine.optimizer import (
     tracker_opts,
 )
 from trahiv.metrics import MetricsPublisher, MetricsRecord
+from trahiv.protocol import ready_peers
 from trahiv.revert import RevertFollower, RevertWatcher
 
 logger = logging.getLogger("trahiv.swarm")
@@ -237,7 +238,7 @@ class Swarm:
         if self.optimizer is None or len(ready) < self.config.opt.min_peers:
             return len(ready)
         self.optimizer.tracker.refresh_now()
-        return len(ready & {*self.optimizer.tracker.active_peers, self.peer_id})
+        return len(ready_peers(ready, self.optimizer.tracker.active_peers, self.peer_id))
 
     def publish_model(self, force: bool = False) -> None:
         if self._model is None or (not force and time.monotonic() - self._model_published_at < MODEL_RECORD_TTL / 4):

@@ -39,6 +39,7 @@ from trahiv.engine.averagers import (
     RobustTrainingStateAverager,
 )
 from trahiv.engine.gate import gated
+from trahiv.protocol import missed_round, trusted_epoch
 
 if TYPE_CHECKING:
     from trahiv.auth.gate import AuthGate
@@ -54,7 +55,6 @@ __all__ = [
     "stop_tracker_quietly",
     "request_timeout",
     "tracker_opts",
-    "trusted_epoch",
 ]
 
 _GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
@@ -191,14 +191,6 @@ class SwarmProgressTracker(ProgressTracker):
         return trusted
 
 
-def trusted_epoch(epochs: list[int], local_epoch: int) -> int:
-    """The highest step a progress record may report: one ahead of this peer's, or more where at least
-    max(2, majority of the records) report at least that much."""
-    quorum = max(2, len(epochs) // 2 + 1)
-    ahead = sorted((epoch for epoch in epochs if epoch > local_epoch + 1), reverse=True)
-    return ahead[quorum - 1] if len(ahead) >= quorum else local_epoch + 1
-
-
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with trahiv's fixes: the DHT's client mode is always honoured (1.1.12 drops it), each step
     can report its true number of samples, and the samples this peer contributed are counted."""
@@ -305,13 +297,16 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _missed_the_round(self) -> bool:
         """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
-        round is over. hivemind would run a round of its own (with nobody: local gradients) and step, leaving this
-        peer with other parameters than the swarm's; the late joiner's first steps did exactly that."""
+        round is over (`trahiv.protocol.missed_round`). hivemind would run a round of its own (with nobody: local
+        gradients) and step, leaving this peer with other parameters than the swarm's; a late joiner's first steps did
+        exactly that. A round it still looks for a group for is cancelled."""
         if self.auxiliary or not self.use_gradient_averaging or self.tracker.global_epoch <= self.local_epoch:
             return False
         control: Any = getattr(self, "scheduled_grads", None)
-        if in_group(control) or newest_served_step(self.dht, self.run_id) < self.tracker.global_epoch:
-            return False  # in their round after all, or nobody serves the swarm's state: step with what we have
+        grouped, swarm = in_group(control), self.tracker.global_epoch
+        served = -1 if grouped else newest_served_step(self.dht, self.run_id)
+        if not missed_round(self.local_epoch, swarm, in_group=grouped, newest_served=served):
+            return False
         if control is not None and not control.done():
             control.cancel()
         self.scheduled_grads = None
