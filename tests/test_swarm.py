@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,32 @@ def test_peers_that_cannot_average_step_with_their_own_gradients(tmp_path, workd
         assert done["averaging_rounds"]["failed"] >= 3 and done["averaging_rounds"]["complete"] == 0, done
         assert "Proceeding with local gradients" in peer.log()
         assert "Traceback" not in peer.log(), "a round without a group is no error"
+
+
+@pytest.mark.parametrize("busy_core", [False, True], ids=["idle", "one-core-busy"])
+def test_fast_steps_keep_two_peers_in_step(tmp_path, workdir, busy_core):
+    """The run_clm.py case: 2 peers, local steps of a few tens of ms, target_batch_size reached in 2 local steps of
+    both peers, min_peers 2 (optionally with another process keeping a core busy). Both peers hold identical parameters
+    after every collaborative step, every gradient round is complete, and neither steps alone."""
+    boot = start_bootstrap(tmp_path)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
+    common = dict(
+        workdir=str(workdir), run_id="fast", target=16, max_steps=8, batch_size=4, initial_peers=boot.initial_peers
+    )
+    try:
+        a = start_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
+        b = start_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        boot.stop()
+    assert done_a["global_step"] == done_b["global_step"] == 8
+    params_a, params_b = a.params_at(), b.params_at()
+    differ = [s for s in range(1, 9) if params_a[s]["checksum"] != pytest.approx(params_b[s]["checksum"], rel=1e-6)]
+    assert differ == [], f"peers differ after steps {differ}"
+    for done in (done_a, done_b):
+        assert done["averaging_rounds"]["failed"] == done["averaging_rounds"]["partial"] == 0, done
+    for peer in (a, b):
+        assert "Skipped averaging: there are no other peers" not in peer.log(), "a peer stepped alone"

@@ -4,9 +4,10 @@ tests/test_protocol.py checks them in one process."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
-__all__ = ["missed_round", "ready_peers", "trusted_epoch"]
+__all__ = ["missed_round", "peer_tiebreak", "ready_peers", "state_priority", "trusted_epoch"]
 
 
 def trusted_epoch(epochs: list[int], local_epoch: int) -> int:
@@ -30,3 +31,16 @@ def ready_peers(announced_ready: Iterable[str], tracked: Iterable[str], own: str
     """Peers that count toward `min_peers`: they announced that they train (their optimizer runs) and this peer sees
     their progress record (its first collaborative step will count their samples); this peer always counts."""
     return ({*announced_ready} & {*tracked, own}) | {own}
+
+
+def state_priority(step: int, complete: bool, tiebreak: float) -> float:
+    """The priority a trainer serves its state with: joiners download from the highest, and a peer that stepped alone
+    (its round failed while others were there) re-syncs from any higher one. A state of a later step ranks higher; at
+    one step, one whose round was complete ranks higher than one that stepped alone; `tiebreak` ([0, 0.25), from the
+    peer ID) orders peers that are alike, so that two peers that both stepped alone do not swap states."""
+    return step + (0.5 if complete else 0.0) + tiebreak
+
+
+def peer_tiebreak(peer_id: bytes) -> float:
+    """A fraction in [0, 0.25) fixed by the peer's ID."""
+    return int.from_bytes(hashlib.sha256(peer_id).digest()[:4], "big") / 2**32 / 4

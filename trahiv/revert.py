@@ -307,7 +307,7 @@ class RevertFollower:
         leave_rounds(opt)
 
         def accept(peer: str, priority: Any) -> bool:
-            return peer in allowed and isinstance(priority, int | float) and priority > local
+            return peer in allowed and isinstance(priority, int | float) and int(priority) > local
 
         what = f"catching up after revert order #{self.applied_id}"
         loaded = _guarded(download_state, opt, accept, checkpoint_check(None, ""), what=what)

@@ -39,7 +39,8 @@ from trahiv.engine.averagers import (
     RobustTrainingStateAverager,
 )
 from trahiv.engine.gate import gated
-from trahiv.protocol import missed_round, trusted_epoch
+from trahiv.engine.state import download_state, load_state
+from trahiv.protocol import missed_round, peer_tiebreak, state_priority, trusted_epoch
 
 if TYPE_CHECKING:
     from trahiv.auth.gate import AuthGate
@@ -207,6 +208,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
         self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
         self._next_progress_check = 0.0
+        self._stepped_alone = self._resync_pending = False  # see _resync
+        self._tiebreak = peer_tiebreak(dht.peer_id.to_bytes())
         super().__init__(dht=dht, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
@@ -293,7 +296,55 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return
         self._key_rounds_by_step()
+        self._stepped_alone = False
         super()._update_global_epoch(grad_scaler)
+        self._resync_pending = self._stepped_alone
+        self._declare_state(complete=not self._stepped_alone)
+
+    # --- after a round that failed while other peers were there: back to the swarm's state ----------------------
+
+    def _load_local_gradients_into_optimizer(self) -> None:
+        """hivemind's fallback after a failed gradient round (this peer's own gradients, see RobustGradientAverager);
+        with other peers in the swarm, this peer's parameters now differ from theirs: it re-syncs before its next
+        step (`_resync`)."""
+        self._stepped_alone = self.tracker.has_other_peers
+        super()._load_local_gradients_into_optimizer()
+
+    def _declare_state(self, *, complete: bool) -> None:
+        """The priority this peer serves its state with: its step, + 0.5 if its last round was complete, + a fraction
+        from its peer ID. Joiners download from the highest; a peer that stepped alone re-syncs from a higher one
+        (`state_priority`)."""
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = state_priority(self.local_epoch, complete, self._tiebreak)
+
+    def _resync(self) -> bool:
+        """Download the state of a peer that served a higher priority than this one's (same step and a complete round,
+        or a later step), if any is reachable; otherwise keep training from this peer's own state."""
+        own = state_priority(self.local_epoch, False, self._tiebreak)
+        local = self.local_epoch
+
+        def accept(peer: str, priority: Any) -> bool:
+            return isinstance(priority, int | float) and priority > own
+
+        def check(metadata: dict, tensors: list, num_parameters: int) -> str | None:
+            return None if metadata.get("epoch", -1) >= local else f"it is of step {metadata.get('epoch')}"
+
+        try:
+            loaded = download_state(self, accept, check, what="re-syncing after a round without the swarm")
+        except Exception as e:  # a failed download must never stop training
+            logger.warning(f"Re-syncing with the swarm failed ({e!r}); training on from this peer's state")
+            return False
+        if loaded is None:
+            return False
+        metadata, tensors = loaded
+        load_state(self, metadata, tensors, step=int(metadata["epoch"]))
+        self._declare_state(complete=True)
+        logger.info(f"Back in step with the swarm: loaded its state at step {self.local_epoch}")
+        return True
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        super().load_state_from_peers(**kwargs)
+        self._declare_state(complete=True)
 
     def _missed_the_round(self) -> bool:
         """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
@@ -319,6 +370,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         try:
             if self.revert is not None and self.revert.maybe_apply(self):
                 return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
+            if self._resync_pending:
+                self._resync_pending = False
+                if self._resync():
+                    return None  # this batch's gradients were computed with the replaced parameters
             self._refresh_progress_if_due()
             return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
         finally:
