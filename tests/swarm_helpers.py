@@ -30,30 +30,6 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def rerun_once_if_a_round_was_dropped(scenario: Callable[[Path], Any], tmp: Path, dones: Callable[[Any], list]) -> Any:
-    """Run `scenario(tmp / "run1")`; if a peer reported an averaging round that was not complete (its done.json's
-    `averaging_rounds`), run it once more in tmp / "run2" and return that run, whatever it reports.
-
-    For tests that check that peers stay bit-identical step after step. A round that is not complete leaves peers
-    different by design (trahiv keeps the missing values local and reports it). The cause found behind such
-    failures, hivemind's reducer ending an all-reduce stream under the sender's unread parts on a busy CPU, is fixed
-    in trahiv (`RobustAllReduceRunner._exchange_with_reducer`); this guards these tests against rarer ones (e.g. a
-    round that times out on an overloaded CI machine), printed on stderr when it happens. The second run has to pass
-    every check.
-    """
-    result = scenario(tmp / "run1")
-    dropped = [done.get("averaging_rounds") for done in dones(result) if _dropped(done)]
-    if not dropped:
-        return result
-    print(f"rerunning {tmp.name}: a peer reported a round that was not complete: {dropped}", file=sys.stderr)
-    return scenario(tmp / "run2")
-
-
-def _dropped(done: dict) -> bool:
-    rounds = done.get("averaging_rounds") or {}
-    return bool(rounds.get("partial") or rounds.get("failed"))
-
-
 @dataclass
 class Bootstrap:
     process: subprocess.Popen

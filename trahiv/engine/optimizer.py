@@ -60,6 +60,7 @@ __all__ = [
 
 _GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
+RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 
 
@@ -208,7 +209,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
         self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
         self._next_progress_check = 0.0
-        self._stepped_alone = self._resync_pending = False  # see _resync
+        self._stepped_alone = False  # see _resync
+        self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
+        self._next_resync = 0.0
         self._tiebreak = peer_tiebreak(dht.peer_id.to_bytes())
         super().__init__(dht=dht, **kwargs)
 
@@ -298,8 +301,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._key_rounds_by_step()
         self._stepped_alone = False
         super()._update_global_epoch(grad_scaler)
-        self._resync_pending = self._stepped_alone
-        self._declare_state(complete=not self._stepped_alone)
+        partial = any(report.peers and not report.complete for report in self._new_gradient_reports())
+        differs = self._stepped_alone or (partial and self.tracker.has_other_peers)
+        self._resync_epoch = self.local_epoch if differs else None
+        self._declare_state(complete=not differs)
+
+    def _new_gradient_reports(self) -> list:
+        """Reports of the gradient rounds finished since the last look (also counted in `averaging_rounds`)."""
+        averager = getattr(self, "grad_averager", None)
+        return averager.round_reports() if isinstance(averager, ReportingMixin) else []
 
     # --- after a round that failed while other peers were there: back to the swarm's state ----------------------
 
@@ -316,6 +326,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         (`state_priority`)."""
         if not self.client_mode:
             self.state_averager.state_sharing_priority = state_priority(self.local_epoch, complete, self._tiebreak)
+
+    def _resync_due(self) -> bool:
+        """Try to re-sync before each local step of the step that differs (at most every RESYNC_PERIOD seconds: the
+        peer to copy may not have declared its new state yet); give up once the swarm moved on to the next step."""
+        if self._resync_epoch != self.local_epoch:
+            self._resync_epoch = None
+            return False
+        if time.monotonic() < self._next_resync:
+            return False
+        self._next_resync = time.monotonic() + RESYNC_PERIOD
+        return True
 
     def _resync(self) -> bool:
         """Download the state of a peer that served a higher priority than this one's (same step and a complete round,
@@ -339,6 +360,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         metadata, tensors = loaded
         load_state(self, metadata, tensors, step=int(metadata["epoch"]))
         self._declare_state(complete=True)
+        self._resync_epoch = None
         logger.info(f"Back in step with the swarm: loaded its state at step {self.local_epoch}")
         return True
 
@@ -370,8 +392,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         try:
             if self.revert is not None and self.revert.maybe_apply(self):
                 return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
-            if self._resync_pending:
-                self._resync_pending = False
+            if self._resync_epoch is not None and self._resync_due():
                 if self._resync():
                     return None  # this batch's gradients were computed with the replaced parameters
             self._refresh_progress_if_due()
