@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from trahiv.console import quiet_third_party_notices
+
+quiet_third_party_notices()  # a logging filter, before transformers/peft import bitsandbytes (see trahiv/console.py)
+
 __version__ = "0.1.0"
 __all__ = ["DHTConfig", "HivemindConfig", "OptimizerConfig", "Trainer", "TrainingArguments", "__version__"]
 
