@@ -77,6 +77,14 @@ class TrainingArguments(transformers.TrainingArguments):
         state["_hivemind"] = None
         return state
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        base = type(self).__dict__.get("_trahiv_base")
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        from trahiv.dropin import rebuild_args  # a class made by trahiv.collaborative_args(base): made again
+
+        return rebuild_args, (base, self.__getstate__())
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._hivemind_error = None
