@@ -118,3 +118,55 @@ def test_peer_without_a_token_joining_a_moderated_swarm_is_told_it_needs_one(tmp
         if dht is not None:
             stop(dht)
         server.stop()
+
+
+# --- a clean console (trahiv/console.py) ---------------------------------------------------------------------------
+
+PENDING_TASK = """
+import asyncio, gc, sys
+if sys.argv[2] == "trahiv":
+    import trahiv  # installs the filters
+
+async def waits():
+    await asyncio.wait_for(asyncio.Event().wait(), 3600)
+
+def pending_task():  # as hivemind's background loops leave them
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(waits())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    return loop, task
+
+if sys.argv[1] == "during":
+    loop, task = pending_task()
+    del loop, task
+    gc.collect()
+else:
+    kept = pending_task()  # collected when the interpreter exits
+print("MARK", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "exit"])
+def test_pending_tasks_are_reported_while_running_not_at_exit(when):
+    def stderr(importer: str) -> str:
+        result = subprocess.run([sys.executable, "-c", PENDING_TASK, when, importer], env=ENV, capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 0 and "MARK" in result.stderr, result.stderr
+        return result.stderr
+
+    without, with_trahiv = stderr("plain"), stderr("trahiv")
+    before, after = with_trahiv.split("MARK")
+    assert "Task was destroyed but it is pending!" in without  # the scenario does produce the message
+    if when == "during":  # a task lost while the program runs is still reported
+        assert "Task was destroyed but it is pending!" in before
+    else:
+        assert "Task was destroyed" not in after, with_trahiv
+
+
+def test_importing_trahiv_first_quiets_bitsandbytes_kernels_notice():
+    code = (
+        "import logging, trahiv, peft, bitsandbytes; logging.getLogger('bitsandbytes.backends.cpu.ops').warning('kept')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "gemm_4bit_forward" not in result.stderr and "kept" in result.stderr, result.stderr

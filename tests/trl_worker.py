@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 
 import datasets
-import peft
 import torch
 import transformers
-from peer_worker import Recorder
 
 from trahiv.demo import corpus_text
-from trahiv.trl import SFTConfig, SFTTrainer
+from trahiv.trl import SFTConfig, SFTTrainer  # before peft and peer_worker: trahiv quiets bitsandbytes' notice
 
 
 def text_dataset(rows: int) -> datasets.Dataset:
@@ -26,6 +24,9 @@ def text_dataset(rows: int) -> datasets.Dataset:
 
 
 def main(spec_path: str) -> int:
+    import peft
+    from peer_worker import Recorder
+
     spec = json.loads(Path(spec_path).read_text())
     out, workdir = Path(spec["out"]), Path(spec["workdir"])
     opt = {"run_id": spec["run_id"], "target_batch_size": spec["target"], "matchmaking_time": 2.0,
@@ -54,7 +55,8 @@ def main(spec_path: str) -> int:
     trainer.add_callback(Recorder(trainer, spec, out))
     trainer.train()
     logged = sorted({key for row in trainer.state.log_history for key in row})
-    done = {"global_step": trainer.state.global_step, "logged": logged, "type": type(trainer).__mro__[1].__module__}
+    done = {"global_step": trainer.state.global_step, "logged": logged, "type": type(trainer).__mro__[1].__module__,
+            "averaging_rounds": trainer.swarm.optimizer.averaging_rounds()}  # fmt: skip
     torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, out / "final.pt")
     (out / "done.json").write_text(json.dumps(done))
     return 0

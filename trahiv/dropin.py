@@ -62,12 +62,13 @@ def collaborative(trainer_cls: type, args_cls: type | None = None) -> type:
     return _TRAINERS[key]
 
 
-def _make_trainer(trainer_cls: type, args_cls: type | None) -> type:
+def _make_trainer(trainer_cls: Any, args_cls: type | None) -> type:
     namespace: dict[str, Any] = {
         "__module__": trainer_cls.__module__,
         "__qualname__": trainer_cls.__qualname__,
         "__doc__": f"{trainer_cls.__name__} that trains with a swarm when `args.hivemind_config` is set (trahiv).",
     }
+    made: dict[str, type] = {}
     if args_cls is not None:
         signature = inspect.signature(trainer_cls.__init__)
 
@@ -76,13 +77,14 @@ def _make_trainer(trainer_cls: type, args_cls: type | None) -> type:
             given = bound.arguments.get("args")
             if isinstance(given, TrainingArguments) and not isinstance(given, args_cls):
                 bound.arguments["args"] = convert_args(given, args_cls)
-            super(cls, self).__init__(*bound.args[1:], **bound.kwargs)
+            parent: Any = super(made["cls"], self)  # the next class in the MRO (trainer_cls, ... then trahiv.Trainer)
+            parent.__init__(*bound.args[1:], **bound.kwargs)
 
         __init__.__signature__ = signature  # type: ignore[attr-defined]
         __init__.__doc__ = trainer_cls.__init__.__doc__
         namespace["__init__"] = __init__
-    cls = type(trainer_cls.__name__, (trainer_cls, Trainer), namespace)
-    return cls
+    made["cls"] = type(trainer_cls.__name__, (trainer_cls, Trainer), namespace)
+    return made["cls"]
 
 
 def convert_args(args: TrainingArguments, args_cls: type) -> Any:
@@ -94,6 +96,6 @@ def convert_args(args: TrainingArguments, args_cls: type) -> Any:
 
 def rebuild_args(base: type, state: dict[str, Any]) -> TrainingArguments:
     """Unpickle arguments of a class made by `collaborative_args(base)` (see TrainingArguments.__reduce_ex__)."""
-    args = object.__new__(collaborative_args(base))
+    args: Any = object.__new__(collaborative_args(base))
     args.__setstate__(state)
     return args
