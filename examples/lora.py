@@ -4,7 +4,7 @@
     python examples/lora.py --tiny --output_dir out --max_steps 20 --use_cpu
     # a real model, joining a swarm (every peer must use the same model and the same LoRA settings):
     python examples/lora.py --model_name_or_path gpt2 --target_modules c_attn --output_dir out --max_steps 500 \
-        --hivemind_config '{"dht": {"initial_peers": ["/ip4/.../p2p/..."]}, "opt": {"run_id": "my-lora", "target_batch_size": 256}}'
+        --hivemind_config swarm.yaml   # {"dht": {"initial_peers": [...]}, "opt": {"run_id": ..., ...}}
 
 Only the adapters cross the network: a few MB per round instead of the whole model.
 """
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.tensor(tokenizer(corpus_text())["input_ids"], dtype=torch.long)
     size = lora_args.block_size
     dataset = [{"input_ids": row, "labels": row} for row in ids[: len(ids) // size * size].view(-1, size)]
-    trainer = trahiv.Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)
+    collator = default_data_collator
+    trainer = trahiv.Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
     trainer.train()
     model.save_pretrained(training_args.output_dir)  # the adapters only
     return 0

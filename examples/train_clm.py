@@ -40,8 +40,9 @@ class DataArguments:
 
 def load_model(model_args: ModelArguments):
     if model_args.tiny:
-        from trahiv.demo import corpus_text, tiny_gpt2_config, train_tokenizer
         from transformers import GPT2LMHeadModel
+
+        from trahiv.demo import corpus_text, tiny_gpt2_config, train_tokenizer
 
         tokenizer = train_tokenizer(corpus_text())
         return tokenizer, GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_embd=64, n_head=2))
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
         text = corpus_text()
     dataset = blocks(text, tokenizer, data_args.block_size)
-    trainer = trahiv.Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)
+    collator = default_data_collator
+    trainer = trahiv.Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
     result = trainer.train()
     trainer.save_model()
     logger.info("train_loss %.4f after %d steps", result.training_loss, trainer.state.global_step)
