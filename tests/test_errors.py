@@ -60,6 +60,21 @@ def test_aux_with_invalid_yaml_or_json_or_a_missing_file(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["auth-server", "--db", "not-a-url", "--port", "0"], "give a database URL such as sqlite:///"),
+        (["dht", "--no-nat-port-map", "--identity-path", "/nonexistent/dir/key"], "/nonexistent/dir"),
+        (
+            ["dht", "--auth-server", "http://127.0.0.1:9", "--run-id", "r", "--auth-token-file", "/nonexistent/token"],
+            "/nonexistent/token: No such file",
+        ),
+    ],
+)
+def test_other_commands_bad_paths_and_urls(argv, expected):
+    assert_one_message(trahiv(*argv), argv[0], expected)
+
+
+@pytest.mark.parametrize(
     ("name", "text", "expected"),
     [
         ("swarm.yaml", "opt:\n  run_id: x\n  target_batch_size: [1\n", "not valid YAML at line 4"),

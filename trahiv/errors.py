@@ -18,6 +18,7 @@ __all__ = ["DEBUG_ENV", "UserError", "debug_enabled", "explain_validation", "joi
 DEBUG_ENV = "TRAHIV_DEBUG"
 NOT_ANSWERED = "none of the initial_peers responded"  # hivemind's DHTNode: the p2p link worked, the DHT refused
 NOT_CONNECTED = "failed to connect to bootstrap peers"  # the p2p daemon: nothing answered at the addresses
+FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
 class UserError(ValueError):
@@ -67,11 +68,15 @@ def user_message(error: BaseException) -> str | None:
         return explain_validation(error)
     if isinstance(error, ValueError):  # UserError, and trahiv raises ValueError with the key and the fix
         return str(error)
-    if isinstance(error, OSError) and getattr(error, "filename", None):
-        return f"{error.filename}: {error.strerror or error}. Check the path and its permissions"
+    if isinstance(error, FILE_ERRORS):
+        if getattr(error, "filename", None) and error.strerror:
+            return f"{error.filename}: {error.strerror}. Check the path and its permissions"
+        return f"{error}. Check the path and its permissions"
     name = type(error).__name__
     if name in ("SwarmJoinError", "AuthError"):  # (matched by name: importing them would start the engine)
         return str(error)
+    if name == "ArgumentError" and type(error).__module__.startswith("sqlalchemy"):
+        return f"{error}: give a database URL such as sqlite:///trahiv.db or postgresql://user@host/db"
     try:
         import yaml
     except ImportError:  # pragma: no cover - a dependency
