@@ -122,3 +122,25 @@ def test_two_sft_peers_with_lora_average_only_adapters(tmp_path, workdir):
         assert "mean_token_accuracy" in row["logged"] and "num_tokens" in row["logged"]  # TRL's logs, kept
     for peer in (a, b):  # a clean console (trahiv.console)
         assert "gemm_4bit_forward" not in peer.log() and "Task was destroyed" not in peer.log(), peer.log()[-3000:]
+
+
+def test_collaborative_any_trainer_subclass(tmp_path):
+    """A subclass without its own __init__ still runs trahiv.Trainer's (through the MRO), and its overrides stay."""
+
+    class Custom(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.custom_calls = getattr(self, "custom_calls", 0) + 1
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    made = trahiv.collaborative(Custom, args_cls=trahiv.TrainingArguments)
+    assert made.__mro__[1:4] == (Custom, trahiv.Trainer, transformers.Trainer)
+    with pytest.raises(TypeError, match="transformers.Trainer subclass"):
+        trahiv.collaborative(dict)
+    _, model, _ = tiny_setup()
+    args = trahiv.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                                    use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(4)]
+    trainer = made(model, args, train_dataset=data)  # positional args, as transformers.Trainer takes them
+    assert trainer.swarm is None  # trahiv.Trainer.__init__ ran (alone: no hivemind_config)
+    trainer.train()
+    assert trainer.custom_calls >= 1
