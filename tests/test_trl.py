@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import subprocess
@@ -144,3 +145,25 @@ def test_collaborative_any_trainer_subclass(tmp_path):
     assert trainer.swarm is None  # trahiv.Trainer.__init__ ran (alone: no hivemind_config)
     trainer.train()
     assert trainer.custom_calls >= 1
+
+
+def test_dpo_alone_behaves_as_trl(tmp_path):
+    """Without hivemind_config, trahiv.trl.DPOTrainer trains exactly as trl.DPOTrainer (same losses, same logs)."""
+    import datasets
+
+    pairs = {"prompt": ["The swarm", "A peer", "Volunteers"] * 2, "chosen": [" trains.", " joins.", " help."] * 2,
+             "rejected": [" stops.", " crashes.", " leave."] * 2}  # fmt: skip
+    histories = []
+    for trainer_cls, config_cls in ((trl.DPOTrainer, trl.DPOConfig), (DPOTrainer, DPOConfig)):
+        tokenizer, model, _ = tiny_setup()
+        args = config_cls(output_dir=str(tmp_path / trainer_cls.__module__), max_steps=2, per_device_train_batch_size=2,
+                          bf16=False, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                          disable_tqdm=True, seed=3)  # fmt: skip
+        ref = copy.deepcopy(model)  # (a model built from a config has no Hub id to load the reference from)
+        data = datasets.Dataset.from_dict(pairs)
+        trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        histories.append([{k: v for k, v in row.items() if "runtime" not in k and "per_second" not in k}
+                          for row in trainer.state.log_history])  # fmt: skip
+    assert histories[0] == histories[1]
+    assert any("rewards/chosen" in row for row in histories[1])  # DPO's own metrics: its log() ran
