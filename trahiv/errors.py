@@ -2,7 +2,7 @@
 
 `user_message(exc)` turns the exceptions that mean "bad input or an unreachable swarm" into that message (None for
 anything else: a bug, which keeps its traceback); the `trahiv` command prints it and exits with code 2 (see
-trahiv/cli/main.py). `join_error` builds the message of a DHT that could not join its initial peers, in place of
+trahiv/cli/main.py). `join_error_message` builds the message of a DHT that could not join its initial peers, in place of
 hivemind's, which tells the user to "set ensure_bootstrap_success=False", a key trahiv's config refuses.
 Tracebacks come back with `--debug` or the environment variable TRAHIV_DEBUG=1.
 """
