@@ -53,8 +53,9 @@ class TrainingArguments(transformers.TrainingArguments):
     @property
     def hivemind(self) -> HivemindConfig | None:
         """The parsed, validated `hivemind_config` (None when training alone)."""
-        if self._hivemind_error is not None:  # unpickled without its token (see __setstate__)
-            raise ValueError(self._hivemind_error)
+        error = getattr(self, "_hivemind_error", None)
+        if error is not None:  # unpickled without its token (see __setstate__)
+            raise ValueError(error)
         return self._hivemind
 
     # --- secrets stay in this process: the auth token is redacted wherever the arguments leave it ------------
