@@ -86,7 +86,7 @@ def _start_auth(args: argparse.Namespace) -> Any:
     import os
     from pathlib import Path
 
-    from trahiv.auth import AuthError, PeerAuth
+    from trahiv.auth import PeerAuth
     from trahiv.config import TOKEN_ENV
 
     env_token = os.environ.get(TOKEN_ENV, "").strip()
@@ -95,10 +95,8 @@ def _start_auth(args: argparse.Namespace) -> Any:
             f"--auth-server needs --run-id and --auth-token-file (or ${TOKEN_ENV}): the user token a moderator issued"
         )
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else env_token
-    try:
-        return PeerAuth.start(args.auth_server, token, args.run_id, identity_path=args.identity_path)
-    except AuthError as e:  # refused or unreachable: a clear message, no traceback
-        raise ValueError(str(e)) from None
+    # refused or unreachable: an AuthError with the reason, shown by trahiv/cli/main.py as one message
+    return PeerAuth.start(args.auth_server, token, args.run_id, identity_path=args.identity_path)
 
 
 def _ensure_identity(path: str) -> None:

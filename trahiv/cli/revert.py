@@ -86,17 +86,14 @@ def run(args: argparse.Namespace) -> int:
         state = checkpoint.swarm_state()
 
     from trahiv import engine
-    from trahiv.auth import AuthError, AuthGate, gated
+    from trahiv.auth import AuthGate, gated
     from trahiv.auth.revert import SignedRevertOrder, verify_order
     from trahiv.auxiliary.keeper import StateMirror
     from trahiv.revert import RevertWatcher, parameters_digest
     from trahiv.swarm import _start_auth, start_dht
 
     digest = parameters_digest(state.parameters)
-    try:
-        auth = _start_auth(config)
-    except AuthError as e:
-        raise ValueError(str(e)) from None
+    auth = _start_auth(config)  # refused: an AuthError, shown by trahiv/cli/main.py as one message
     assert auth is not None
     previous = signal.signal(signal.SIGTERM, _terminated)
     dht = mirror = None
