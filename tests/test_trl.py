@@ -167,3 +167,22 @@ def test_dpo_alone_behaves_as_trl(tmp_path):
                           for row in trainer.state.log_history])  # fmt: skip
     assert histories[0] == histories[1]
     assert any("rewards/chosen" in row for row in histories[1])  # DPO's own metrics: its log() ran
+
+
+@pytest.mark.swarm
+def test_seq2seq_trains_with_a_swarm_and_generates(tmp_path):
+    """trahiv.Seq2SeqTrainer: a tiny T5 trains as a (one-peer) swarm; predict_with_generate still generates."""
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    data = [{"input_ids": torch.arange(2, 10), "labels": torch.arange(10, 14)} for _ in range(8)]
+    args = trahiv.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, predict_with_generate=True,
+        hivemind_config={"dht": {"nat_port_map": False}, "opt": {"run_id": "seq2seq", "target_batch_size": 4}},
+    )  # fmt: skip
+    trainer = trahiv.Seq2SeqTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.swarm is not None
+    predictions = trainer.predict(data[:2]).predictions  # generated token ids (padded to the generation length)
+    assert predictions.shape[0] == 2 and predictions.shape[1] > 1 and predictions.dtype.kind == "i"
