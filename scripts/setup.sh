@@ -19,5 +19,5 @@ fi
 "${PYTHON:-python3}" -m venv .venv
 # torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,trl]"
 echo "$want" > "$stamp"

@@ -8,8 +8,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from trahiv.console import quiet_third_party_notices
+
+quiet_third_party_notices()  # a logging filter, before transformers/peft import bitsandbytes (see trahiv/console.py)
+
 __version__ = "0.1.0"
-__all__ = ["DHTConfig", "HivemindConfig", "OptimizerConfig", "Trainer", "TrainingArguments", "__version__"]
+__all__ = [
+    "DHTConfig",
+    "HivemindConfig",
+    "OptimizerConfig",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
+    "Trainer",
+    "TrainingArguments",
+    "__version__",
+    "collaborative",
+    "collaborative_args",
+]
 
 _LAZY = {
     "Trainer": "trahiv.trainer",
@@ -17,10 +32,16 @@ _LAZY = {
     "HivemindConfig": "trahiv.config",
     "DHTConfig": "trahiv.config",
     "OptimizerConfig": "trahiv.config",
+    "collaborative": "trahiv.dropin",
+    "collaborative_args": "trahiv.dropin",
+    "Seq2SeqTrainer": "trahiv.seq2seq",
+    "Seq2SeqTrainingArguments": "trahiv.seq2seq",
 }
 
 if TYPE_CHECKING:
     from trahiv.config import DHTConfig, HivemindConfig, OptimizerConfig
+    from trahiv.dropin import collaborative, collaborative_args
+    from trahiv.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
     from trahiv.trainer import Trainer, TrainingArguments
 
 

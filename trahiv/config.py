@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -22,7 +23,14 @@ __all__ = [
     "HivemindConfig",
     "MetricsConfig",
     "OptimizerConfig",
+    "REDACTED",
+    "TOKEN_ENV",
+    "redact",
 ]
+
+REDACTED = "<redacted>"  # what secrets read as wherever the arguments leave the process (str, to_dict, pickles)
+SECRET_KEYS = frozenset({"token"})  # keys of `auth` whose values are secret
+TOKEN_ENV = "TRAHIV_AUTH_TOKEN"  # the auth token, when hivemind_config.auth has neither token nor token_file
 
 COMPRESSIONS = ("none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive")
 CompressionName = Literal[
@@ -105,7 +113,11 @@ class AuthConfig(_Section):
     """Join a moderated swarm: the auth server signs this peer's access tokens (see `trahiv auth-server`)."""
 
     server: str = Field(description="URL of the auth server, e.g. https://auth.example.org")
-    token: SecretStr = Field(description="the personal token a moderator issued to this user")
+    token: SecretStr = Field(
+        SecretStr(""),
+        description=f"the personal token a moderator issued to this user (or token_file, or ${TOKEN_ENV})",
+    )
+    token_file: str | None = Field(None, description="file holding the token (instead of `token`)")
     timeout: float = Field(10.0, gt=0, description="seconds to wait for the auth server")
     experiment_public_key: str | None = Field(
         None, description="pin the experiment's signing key (OpenSSH 'ssh-rsa ...'); default: the server's"
@@ -117,6 +129,44 @@ class AuthConfig(_Section):
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", value):
             raise ValueError(f"auth server {value!r} must be an http:// or https:// URL")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _resolve_token(self) -> AuthConfig:
+        """The token comes from `token`, else `token_file`, else the environment variable TRAHIV_AUTH_TOKEN. A token
+        shown as REDACTED (what `to_dict`, `str(args)` and `training_args.bin` hold) counts as not given."""
+        given = self.token.get_secret_value() not in ("", REDACTED)
+        if given and self.token_file is not None:
+            raise ValueError("give either token or token_file, not both")
+        if not given:
+            token = _token_from_file(self.token_file) if self.token_file is not None else os.environ.get(TOKEN_ENV)
+            if not token:
+                raise ValueError(missing_token_message(redacted=self.token.get_secret_value() == REDACTED))
+            object.__setattr__(self, "token", SecretStr(token))  # (validate_assignment would run this check again)
+        return self
+
+
+def _token_from_file(path: str) -> str:
+    file = Path(path).expanduser()
+    try:
+        token = file.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"token_file {path!r} cannot be read ({e.strerror}): give the file with your token") from None
+    if not token:
+        raise ValueError(f"token_file {path!r} is empty: put the token a moderator issued to you in it")
+    return token
+
+
+def missing_token_message(*, redacted: bool) -> str:
+    """Why a moderated swarm's config has no usable token, and the three ways to give one."""
+    why = (
+        f"the token is {REDACTED} (arguments loaded from to_dict(), JSON or training_args.bin never hold it)"
+        if redacted
+        else "no token given"
+    )
+    return (
+        f"{why}: set hivemind_config.auth.token, or auth.token_file (a file holding it), or the environment "
+        f"variable {TOKEN_ENV}"
+    )
 
 
 class AggregationConfig(_Section):
@@ -246,15 +296,59 @@ class HivemindConfig(_Section):
 def _read(value: str | Path) -> Any:
     text = str(value).strip()
     if text.startswith("{"):
-        return json.loads(text)
+        return _parse_json(text, "the JSON string")
     path = Path(text).expanduser()
     if not path.is_file():
         raise ValueError(f"hivemind_config: {text!r} is neither a dict, a JSON string, nor an existing file")
+    try:
+        content = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"hivemind_config: cannot read {str(path)!r}: {e}") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(path.read_text())
-    return json.loads(path.read_text())
+        try:
+            return yaml.safe_load(content)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(
+                f"hivemind_config: {str(path)!r} is not valid YAML{where}: {problem}. Fix the file (a mapping with "
+                "'dht' and 'opt' sections)"
+            ) from None
+    return _parse_json(content, repr(str(path)))
+
+
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"hivemind_config: {source} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}. Fix it (a "
+            'mapping like {"dht": {...}, "opt": {"run_id": ..., "target_batch_size": ...}})'
+        ) from None
+
+
+def redact(value: Any) -> Any:
+    """`value` (a hivemind_config as the user gave it: a dict, a JSON string, a file path, a HivemindConfig) with
+    every secret replaced by REDACTED; a file path stays as it is (the secrets stay in the file)."""
+    if isinstance(value, HivemindConfig):
+        value = value.model_dump(mode="json")
+    if isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            return json.dumps(redact(json.loads(value)))
+        except json.JSONDecodeError:
+            return REDACTED  # unparsable: it may hold anything
+    if isinstance(value, dict):
+        return {k: _redact_auth(v) if k == "auth" else redact(v) for k, v in value.items()}
+    return value
+
+
+def _redact_auth(auth: Any) -> Any:
+    if not isinstance(auth, dict):
+        return REDACTED if auth is not None else None
+    return {k: (REDACTED if k in SECRET_KEYS and v else v) for k, v in auth.items()}
 
 
 def _explain(error: ValidationError) -> str:

@@ -28,6 +28,7 @@ from trahiv.engine.optimizer import (
     request_timeout,
     tracker_opts,
 )
+from trahiv.errors import debug_enabled, join_error_message
 from trahiv.metrics import MetricsPublisher, MetricsRecord
 from trahiv.protocol import ready_peers
 from trahiv.revert import RevertFollower, RevertWatcher
@@ -59,13 +60,9 @@ def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
     kwargs = {**config.kwargs(), **extra}
     try:
         return hivemind.DHT(start=True, **kwargs)
-    except Exception as e:
-        if config.initial_peers:
-            raise SwarmJoinError(
-                f"could not join the swarm through initial_peers={config.initial_peers}: {e}. Check that a peer is "
-                "running there, that the address and /p2p/ ID were copied whole, and that the port is reachable."
-            ) from e
-        raise SwarmJoinError(f"could not start the DHT (host_maddrs={config.host_maddrs}): {e}") from e
+    except Exception as e:  # one message, not hivemind's chained traceback (that with TRAHIV_DEBUG=1)
+        message = join_error_message(config.initial_peers, config.host_maddrs, e, authenticated=bool(extra))
+        raise SwarmJoinError(message) from (e if debug_enabled() else None)
 
 
 def _start_auth(config: HivemindConfig) -> PeerAuth | None:

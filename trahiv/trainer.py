@@ -11,6 +11,8 @@ Without `hivemind_config` both behave exactly like transformers'. With it:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ import torch
 import transformers
 from transformers.trainer_callback import DefaultFlowCallback, IntervalStrategy, SaveStrategy
 
-from trahiv.config import HivemindConfig
+from trahiv.config import HivemindConfig, redact
 
 logger = logging.getLogger("trahiv.trainer")
 
@@ -33,6 +35,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     hivemind_config: dict | str | None = field(
         default=None,
+        repr=False,  # a dataclass-made repr (subclasses) must not show the token: see `__str__`
         metadata={
             "help": 'Join a swarm: {"dht": {hivemind.DHT kwargs}, "opt": {"run_id": ..., "target_batch_size": ..., '
             "other hivemind.Optimizer kwargs}}, as a dict, a JSON string or the path of a JSON/YAML file."
@@ -41,6 +44,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._hivemind_error: str | None = None
         self._hivemind = None if self.hivemind_config is None else HivemindConfig.load(self.hivemind_config)
         if self._hivemind is not None:
             # Local data order is per-peer random and unrelated to the collaborative step: never skip batches.
@@ -49,7 +53,68 @@ class TrainingArguments(transformers.TrainingArguments):
     @property
     def hivemind(self) -> HivemindConfig | None:
         """The parsed, validated `hivemind_config` (None when training alone)."""
+        error = getattr(self, "_hivemind_error", None)
+        if error is not None:  # unpickled without its token (see __setstate__)
+            raise ValueError(error)
         return self._hivemind
+
+    # --- secrets stay in this process: the auth token is redacted wherever the arguments leave it ------------
+
+    def __str__(self) -> str:
+        return _redacted_str(self)
+
+    __repr__ = __str__
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if "hivemind_config" in d:
+            d["hivemind_config"] = redact(self.hivemind_config)
+        return d
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (the Trainer's training_args.bin) hold the config with its token redacted."""
+        state = dict(self.__dict__)
+        state["hivemind_config"] = redact(self.hivemind_config)
+        state["_hivemind"] = None
+        return state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        base = type(self).__dict__.get("_trahiv_base")
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        from trahiv.dropin import rebuild_args  # a class made by trahiv.collaborative_args(base): made again
+
+        return rebuild_args, (base, self.__getstate__())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hivemind_error = None
+        if self.hivemind_config is not None:  # the token again from token_file / TRAHIV_AUTH_TOKEN, if it can be
+            try:
+                self._hivemind = HivemindConfig.load(self.hivemind_config)
+            except ValueError as e:
+                self._hivemind_error = f"these TrainingArguments were unpickled without their secrets: {e}"
+
+    def __copy__(self) -> TrainingArguments:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TrainingArguments:  # in-process copies keep the token
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+
+def _redacted_str(args: transformers.TrainingArguments) -> str:
+    """transformers' `TrainingArguments.__str__` (every field, `*_token` hidden) with `hivemind_config` redacted."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    values = {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in values.items()}
+    if "hivemind_config" in values:
+        values["hivemind_config"] = redact(values["hivemind_config"])
+    lines = [f"{k}={v},\n" for k, v in sorted(values.items())]
+    return f"{type(args).__name__}(\n{''.join(lines)})"
 
 
 class SwarmScheduler:

@@ -71,7 +71,6 @@ def load_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from trahiv.auth import AuthError
     from trahiv.auxiliary.peer import AuxPeer
     from trahiv.cli.dht import _ensure_identity
     from trahiv.engine import interrupt_on_signals
@@ -107,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             print("Stopping the auxiliary peer", file=sys.stderr)
-        except AuthError as e:  # refused by the auth server, or unreachable: its reason, exit code 2
-            raise ValueError(str(e)) from None
         finally:
             peer.stop()
     if crashed:

@@ -20,22 +20,30 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     parser.add_argument("--auth-server", default=None, help="moderated swarm: URL of its `trahiv auth-server`")
     parser.add_argument("--run-id", default=None, help="moderated swarm: the run_id the access token is for")
-    parser.add_argument("--auth-token-file", default=None, help="moderated swarm: file holding this peer's user token")
+    parser.add_argument(
+        "--auth-token-file", default=None, help="moderated swarm: file holding its token (or $TRAHIV_AUTH_TOKEN)"
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from trahiv.config import DHTConfig
     from trahiv.engine import interrupt_on_signals
+    from trahiv.errors import UserError, explain_validation
     from trahiv.swarm import join_addresses, start_dht
 
-    config = DHTConfig(
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        announce_maddrs=args.announce_maddrs,
-        identity_path=args.identity_path,
-        nat_port_map=args.nat_port_map,
-    )
+    try:
+        config = DHTConfig(
+            initial_peers=args.initial_peers,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            identity_path=args.identity_path,
+            nat_port_map=args.nat_port_map,
+        )
+    except ValidationError as e:
+        raise UserError(explain_validation(e, as_flags=True)) from None
     if args.identity_path:
         _ensure_identity(args.identity_path)
     auth = _start_auth(args)
@@ -75,17 +83,20 @@ def _start_auth(args: argparse.Namespace) -> Any:
     """With --auth-server: this peer's access token, so that the swarm's authenticated peers accept it."""
     if args.auth_server is None:
         return None
-    if not args.run_id or not args.auth_token_file:
-        raise ValueError("--auth-server needs --run-id and --auth-token-file (the user token a moderator issued)")
+    import os
     from pathlib import Path
 
-    from trahiv.auth import AuthError, PeerAuth
+    from trahiv.auth import PeerAuth
+    from trahiv.config import TOKEN_ENV
 
-    token = Path(args.auth_token_file).read_text().strip()
-    try:
-        return PeerAuth.start(args.auth_server, token, args.run_id, identity_path=args.identity_path)
-    except AuthError as e:  # refused or unreachable: a clear message, no traceback
-        raise ValueError(str(e)) from None
+    env_token = os.environ.get(TOKEN_ENV, "").strip()
+    if not args.run_id or not (args.auth_token_file or env_token):
+        raise ValueError(
+            f"--auth-server needs --run-id and --auth-token-file (or ${TOKEN_ENV}): the user token a moderator issued"
+        )
+    token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else env_token
+    # refused or unreachable: an AuthError with the reason, shown by trahiv/cli/main.py as one message
+    return PeerAuth.start(args.auth_server, token, args.run_id, identity_path=args.identity_path)
 
 
 def _ensure_identity(path: str) -> None:

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         state = checkpoint.swarm_state()
 
     from trahiv import engine
-    from trahiv.auth import AuthError, AuthGate
+    from trahiv.auth import AuthGate
     from trahiv.auth.revert import SignedRevertOrder, verify_order
     from trahiv.engine.gate import gated
     from trahiv.engine.state import StateMirror
@@ -94,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from trahiv.swarm import _start_auth, start_dht
 
     digest = parameters_digest(state.parameters)
-    try:
-        auth = _start_auth(config)
-    except AuthError as e:
-        raise ValueError(str(e)) from None
+    auth = _start_auth(config)  # refused: an AuthError, shown by trahiv/cli/main.py as one message
     assert auth is not None
     previous = signal.signal(signal.SIGTERM, _terminated)
     dht = mirror = None
