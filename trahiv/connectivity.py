@@ -20,7 +20,7 @@ import asyncio
 import ipaddress
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,12 @@ __all__ = [
     "address_kind",
     "attach_silence_watch",
     "dialable",
+    "join_lines",
+    "probe_reachability",
     "request_dialback",
     "serve_dialback",
     "serve_dialback_in_dht",
+    "settle_client_mode",
 ]
 
 logger = logging.getLogger("trahiv.connectivity")
@@ -186,6 +189,79 @@ async def request_dialback(p2p: Any, peer_id: Any, maddrs: Sequence[Any], timeou
     )
 
 
+async def _probe_in_dht(initial_peers: list[str], timeout: float, _dht: Any, node: Any) -> DialBack | None:
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    p2p = node.p2p
+    own = f"/p2p/{p2p.peer_id.to_base58()}"
+    announced = [str(m).removesuffix(own) for m in await p2p.get_visible_maddrs(latest=True)]
+    for maddr in initial_peers:
+        peer_id = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+        try:
+            answer = await request_dialback(p2p, peer_id, announced, timeout=timeout)
+        except Exception as e:  # that initial peer is gone, or slow: ask the next one
+            logger.debug(f"Dial-back request to {peer_id} failed: {e!r}")
+            continue
+        if answer is not None:
+            return answer
+    return None
+
+
+def probe_reachability(dht: Any, initial_peers: Sequence[str], timeout: float = 2 * DIAL_TIMEOUT) -> DialBack | None:
+    """Ask the initial peers (trahiv peers) to dial this running DHT peer back; None if none could tell."""
+    from functools import partial
+
+    if not initial_peers:
+        return None
+    return dht.run_coroutine(partial(_probe_in_dht, list(initial_peers), timeout))
+
+
+def settle_client_mode(dht: Any, initial_peers: Sequence[str], restart_in_client_mode: Callable[[], Any]) -> Any:
+    """client_mode 'auto': keep `dht` if an initial peer can dial it back (or none can tell); otherwise stop it and
+    return `restart_in_client_mode()`, saying so in one line."""
+    try:
+        answer = probe_reachability(dht, initial_peers)
+    except Exception as e:  # the probe must never stop a peer from joining
+        logger.debug(f"Reachability probe failed: {e!r}")
+        return dht
+    if answer is None or answer.ok:
+        return dht
+    seen = f"; it sees this peer connect from {', '.join(answer.observed)}" if answer.observed else ""
+    logger.info(
+        f"Switching to client mode: an initial peer could not dial this peer back at {', '.join(answer.dialled)}"
+        f"{seen} (behind a NAT or firewall). It connects out only and averages with peers that accept connections."
+    )
+    dht.shutdown()
+    return restart_in_client_mode()
+
+
+def join_lines(addresses: Sequence[str], initial_peers: Sequence[str], *, client_mode: bool) -> list[str]:
+    """What a peer prints for others to join through it: only addresses they can dial, or why there are none.
+    Loopback-only peers (one machine) keep the usual line, followed by a note."""
+    public_swarm = any(address_kind(p) in ("public", "dns") for p in initial_peers)
+    usable = dialable(addresses, swarm_public=public_swarm)
+    local = [a for a in addresses if address_kind(a) == "loopback"]
+    if client_mode:
+        return [
+            "This peer is in client mode (it accepts no incoming connections): others cannot join through it; "
+            f"they can use the same initial_peers as this one: {list(initial_peers)}"
+        ]
+    if usable:
+        return [f"To join the training, use initial_peers = {usable}"]
+    if local and not public_swarm:
+        return [
+            f"To join the training, use initial_peers = {local}",
+            "(this peer listens on 127.0.0.1 only: peers on other machines cannot join through it; set "
+            "dht.host_maddrs=['/ip4/0.0.0.0/tcp/31337'] and dht.announce_maddrs=['/ip4/<public IP>/tcp/31337'])",
+        ]
+    return [
+        f"This peer has no address peers on other machines can dial (it announces {list(addresses)}, and the "
+        "swarm's initial peers are public): others cannot join through it. Forward a port and set "
+        "dht.announce_maddrs=['/ip4/<public IP>/tcp/<port>'] to let them."
+    ]
+
+
 # --- never silent ------------------------------------------------------------------------------------------------
 
 
@@ -276,4 +352,3 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     optimizer._load_averaged_gradients_into_optimizer_ = loaded_averaged
     optimizer._update_global_epoch = updated_epoch
     return watch
-

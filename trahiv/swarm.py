@@ -19,7 +19,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from trahiv import engine
+from trahiv import connectivity, engine
 from trahiv.auth import AuthGate, PeerAuth, gated
 from trahiv.averaging import Aggregation, RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.averaging.partial import Deadlines, ReportingGradientAverager, ReportingMixin, ReportingStateAverager
@@ -68,8 +68,20 @@ class SwarmJoinError(RuntimeError):
 def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
     """Start a DHT peer; raise SwarmJoinError with a clear reason if it cannot start or reach its initial peers."""
     kwargs = {**config.kwargs(), **extra}
+    dht = _start_dht(config, kwargs)
+    if config.client_mode in (None, "auto") and "client_mode" not in extra:  # client_mode 'auto': dial-back decides
+        dht = connectivity.settle_client_mode(dht, config.initial_peers, lambda: _start_dht(config, kwargs, True))
+    return dht
+
+
+def _start_dht(config: DHTConfig, kwargs: dict[str, Any], client_mode: bool | None = None) -> hivemind.DHT:
+    if client_mode is not None:
+        kwargs = {**kwargs, "client_mode": client_mode}
     try:
-        return hivemind.DHT(start=True, **kwargs)
+        dht = hivemind.DHT(start=True, **kwargs)
+        if not dht.client_mode:  # trahiv peers dial others back on request (trahiv doctor, client_mode 'auto')
+            dht.run_coroutine(connectivity.serve_dialback_in_dht)
+        return dht
     except Exception as e:
         if config.initial_peers:
             raise SwarmJoinError(
@@ -414,7 +426,10 @@ class Swarm:
             name = config.metrics.name or (self.auth.username[:32] if self.auth is not None else None)  # leaderboard
             self.metrics_publisher = MetricsPublisher(self.dht, self.run_id, peer_id=self.peer_id, name=name)
         self._samples_at_last_record = 0
-        announce(f"To join the training, use initial_peers = {join_addresses(self.dht)}")
+        for line in connectivity.join_lines(
+            join_addresses(self.dht), config.dht.initial_peers, client_mode=self.dht.client_mode
+        ):
+            announce(line)
 
     @property
     def run_id(self) -> str:
@@ -508,6 +523,7 @@ class Swarm:
             )
         if self.revert_watcher is not None:
             RevertFollower(self.revert_watcher).attach(self.optimizer)
+        self.silence_watch = connectivity.attach_silence_watch(self.optimizer)  # warns when it never averages
         return self.optimizer
 
     def catch_up(self) -> bool:

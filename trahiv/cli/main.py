@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("dht", "demo", "memory", "auth_server", "aux_peer", "revert")
+SUBCOMMANDS = ("dht", "demo", "memory", "auth_server", "aux_peer", "revert", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
