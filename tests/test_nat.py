@@ -52,13 +52,11 @@ def test_volunteer_behind_nat_switches_to_client_mode_and_averages(topology, tmp
         # the public trainer (the only reducer: the volunteer is in client mode) stays one step longer: a peer that
         # leaves right after its last round cuts the stream still returning averaged parts to a client-mode peer
         # ("sent 7 parts, but we expected 28": a partial round, reported), which is not what this test is about
-        trainer = netns.start_peer_in(
-            public, tmp_path, "public", dht={"host_maddrs": ["/ip4/0.0.0.0/tcp/0"]}, opt={"min_peers": 2},
-            max_steps=4, **common,
-        )  # fmt: skip
-        volunteer = netns.start_peer_in(
-            home, tmp_path, "volunteer", opt={"min_peers": 2}, max_steps=3, **common
-        )  # README recipe
+        public_opt = {"min_peers": 2, "averaging_timeout": 10.0}  # its 4th step waits for a group that cannot form
+        public_dht = {"host_maddrs": ["/ip4/0.0.0.0/tcp/0"]}
+        trainer = netns.start_peer_in(public, tmp_path, "public", dht=public_dht, opt=public_opt, max_steps=4, **common)
+        readme_recipe = {"opt": {"min_peers": 2}, "max_steps": 3}  # initial_peers only: client_mode unset
+        volunteer = netns.start_peer_in(home, tmp_path, "volunteer", **readme_recipe, **common)
         done_public, done_volunteer = trainer.finish(), volunteer.finish()
     finally:
         stop(bootstrap)
