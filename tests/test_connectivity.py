@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from swarm_helpers import start_bootstrap, start_peer
 
 from trahiv.connectivity import PeerView, SilenceWatch, address_kind, join_lines
 
@@ -73,3 +74,22 @@ def test_join_lines_print_only_addresses_others_can_dial():
     assert len(behind_nat) == 1 and "no address peers on other machines can dial" in behind_nat[0]
     client = join_lines(mixed, [PUBLIC_PEER], client_mode=True)
     assert "client mode" in client[0] and PUBLIC_PEER in client[0] and "To join" not in client[0]
+
+
+def test_trainers_that_never_average_are_warned(tmp_path, workdir):
+    """Two client-mode trainers on 127.0.0.1 and a bootstrap: no group can form (no peer accepts connections); each
+    trainer's SilenceWatch, fed by the swarm's optimizer, warns once after 3 collaborative steps without averaging."""
+    bootstrap = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="silent", target=16, batch_size=8, max_steps=5, scheduler="constant")
+    common.update(initial_peers=bootstrap.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})
+    common["sleep_per_step"] = 0.5  # compute time: 0.1 s steps would finish before the peers' progress meets
+    try:
+        peers = [start_peer(tmp_path, f"p{i}", dht={"client_mode": True}, **common) for i in range(2)]
+        dones = [peer.finish() for peer in peers]
+    finally:
+        bootstrap.stop()
+    for peer, done in zip(peers, dones, strict=True):
+        assert done["averaging_rounds"]["complete"] == 0, done
+        warnings = [line for line in peer.log().splitlines() if "has not averaged with anyone for 3 steps" in line]
+        assert len(warnings) == 1, peer.log()[-3000:]
+        assert "every trainer is in client mode" in warnings[0]

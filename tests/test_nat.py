@@ -17,11 +17,12 @@ from swarm_helpers import ENV, stop
 
 
 @pytest.fixture
-def topology():
+def topology(request):
     reason = netns.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    built = netns.build(public=2, homes=1)
+    public, homes = getattr(request, "param", (2, 1))
+    built = netns.build(public=public, homes=homes)
     try:
         yield built
     finally:
@@ -64,6 +65,7 @@ def test_volunteer_behind_nat_switches_to_client_mode_and_averages(topology, tmp
     assert len(switched) == 1 and "behind a NAT or firewall" in switched[0], volunteer.log()[-3000:]
     assert "Switching to client mode" not in trainer.log()
     assert "To join the training" not in volunteer.log(), "a client-mode peer has no address to give"
+    assert "has not averaged with anyone" not in volunteer.log() + trainer.log()
     assert done_public["global_step"] == 4 and done_volunteer["global_step"] == 3
     assert done_volunteer["averaging_rounds"] == {"complete": 3, "partial": 0, "failed": 0}, done_volunteer
     params_public, params_volunteer = trainer.params_at(), volunteer.params_at()
@@ -71,3 +73,23 @@ def test_volunteer_behind_nat_switches_to_client_mode_and_averages(topology, tmp
         checksum = pytest.approx(params_volunteer[step]["checksum"], rel=1e-6, abs=1e-4)
         assert params_public[step]["checksum"] == checksum, step
         assert params_public[step]["abs"] == pytest.approx(params_volunteer[step]["abs"], rel=1e-6), step
+
+
+@pytest.mark.parametrize("topology", [(1, 2)], indirect=True)
+def test_two_volunteers_behind_nat_without_a_public_trainer_are_warned(topology, tmp_path, workdir):
+    """Both switch to client mode; no group can form around a client-mode peer: after 3 steps without averaging each
+    warns once, at WARNING, that every trainer is in client mode, with the fix."""
+    bootstrap, initial_peers = netns.start_bootstrap_in(topology.public[0], tmp_path)
+    common = dict(workdir=str(workdir), run_id="nat2", target=16, batch_size=8, max_steps=5, scheduler="constant")
+    common.update(initial_peers=initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})
+    try:
+        peers = [netns.start_peer_in(home, tmp_path, f"home{i}", **common) for i, home in enumerate(topology.homes)]
+        dones = [peer.finish() for peer in peers]
+    finally:
+        stop(bootstrap)
+    for peer, done in zip(peers, dones, strict=True):
+        log = peer.log()
+        assert "Switching to client mode" in log and done["averaging_rounds"]["complete"] == 0, done
+        warnings = [line for line in log.splitlines() if "has not averaged with anyone for 3 steps" in line]
+        assert len(warnings) == 1, log[-3000:]
+        assert "every trainer is in client mode" in warnings[0] and "trahiv aux --average" in warnings[0]

@@ -333,22 +333,34 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     watch = SilenceWatch(rounds, client_mode=bool(optimizer.client_mode))
     if optimizer.auxiliary or not optimizer.use_gradient_averaging:
         return watch  # parameter averaging only (use_local_updates): rounds are rare, not watched
-    outcome = {"averaged": False}
-    load_averaged = optimizer._load_averaged_gradients_into_optimizer_
+    outcome: dict[str, Any] = {"averaged": False, "local": False, "others": {}}
+
+    def others_now() -> dict[str, bool]:
+        own = optimizer.dht.peer_id.to_base58()
+        return {p: bool(r.client_mode) for p, r in optimizer.tracker.active_peers.items() if p != own}
+
+    average = optimizer._average_gradients_and_load_into_optimizer
+    load_local = optimizer._load_local_gradients_into_optimizer
     update_epoch = optimizer._update_global_epoch
 
-    def loaded_averaged(*args: Any, **kwargs: Any) -> Any:
-        outcome["averaged"] = True
-        return load_averaged(*args, **kwargs)
-
-    def updated_epoch(*args: Any, **kwargs: Any) -> Any:
-        outcome["averaged"] = False
-        result = update_epoch(*args, **kwargs)
-        own = optimizer.dht.peer_id.to_base58()
-        others = [PeerView(p, bool(r.client_mode)) for p, r in optimizer.tracker.active_peers.items() if p != own]
-        watch.observe(outcome["averaged"], others)
+    def averaged(*args: Any, **kwargs: Any) -> Any:  # hivemind falls back to local gradients inside, on failure
+        outcome["local"], outcome["others"] = False, others_now()  # who was there when the round was due
+        result = average(*args, **kwargs)
+        outcome["averaged"] = not outcome["local"]
         return result
 
-    optimizer._load_averaged_gradients_into_optimizer_ = loaded_averaged
+    def loaded_local(*args: Any, **kwargs: Any) -> Any:
+        outcome["local"] = True
+        return load_local(*args, **kwargs)
+
+    def updated_epoch(*args: Any, **kwargs: Any) -> Any:
+        outcome["averaged"], outcome["others"] = False, {}
+        result = update_epoch(*args, **kwargs)
+        seen = {**outcome["others"], **others_now()}  # (a peer that just left withdrew its progress record)
+        watch.observe(outcome["averaged"], [PeerView(peer, client) for peer, client in seen.items()])
+        return result
+
+    optimizer._average_gradients_and_load_into_optimizer = averaged
+    optimizer._load_local_gradients_into_optimizer = loaded_local
     optimizer._update_global_epoch = updated_epoch
     return watch
