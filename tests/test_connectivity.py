@@ -37,7 +37,7 @@ def test_silence_watch_counts_only_consecutive_rounds_and_names_the_cause():
     client = SilenceWatch(1, client_mode=True)
     assert "different trahiv/hivemind version" in (client.observe(False, public) or "")
     unreachable = SilenceWatch(1, client_mode=True).observe(False, public, unreachable=["a"])
-    assert unreachable is not None and "cannot connect to 1 of them (a)" in unreachable
+    assert unreachable is not None and "cannot connect to 1 of them (a)" in unreachable and "split" in unreachable
 
 
 @pytest.mark.parametrize(
@@ -93,3 +93,21 @@ def test_trainers_that_never_average_are_warned(tmp_path, workdir):
         warnings = [line for line in peer.log().splitlines() if "has not averaged with anyone for 3 steps" in line]
         assert len(warnings) == 1, peer.log()[-3000:]
         assert "every trainer is in client mode" in warnings[0]
+
+
+def test_unreachable_peers_are_the_ones_that_do_not_answer():
+    import hivemind
+
+    from trahiv.connectivity import unreachable_peers
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, wait_timeout=1.0)
+    second = hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), nat_port_map=False)
+    gone = hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), nat_port_map=False)
+    gone_id = gone.peer_id.to_base58()
+    gone.shutdown()
+    try:
+        assert unreachable_peers(first, [second.peer_id.to_base58(), gone_id]) == [gone_id]
+        assert unreachable_peers(first, []) == []
+    finally:
+        second.shutdown()
+        first.shutdown()

@@ -38,6 +38,7 @@ __all__ = [
     "serve_dialback",
     "serve_dialback_in_dht",
     "settle_client_mode",
+    "unreachable_peers",
 ]
 
 logger = logging.getLogger("trahiv.connectivity")
@@ -293,6 +294,10 @@ class SilenceWatch:
         self.log.warning(self.last_warning)
         return self.last_warning
 
+    def due(self, averaged: bool, others: Sequence[PeerView]) -> bool:
+        """Whether `observe(averaged, others)` would warn now (time to look for unreachable peers)."""
+        return not averaged and bool(others) and not self.warned and self.silent_rounds + 1 >= self.rounds
+
     def diagnose(self, others: Sequence[PeerView], unreachable: Sequence[str] = ()) -> str:
         head = (
             f"This peer has not averaged with anyone for {self.silent_rounds} steps although {len(others)} other "
@@ -301,9 +306,11 @@ class SilenceWatch:
         if unreachable:
             shown = ", ".join(unreachable[:3]) + (" ..." if len(unreachable) > 3 else "")
             cause = (
-                f"Likely cause: this peer cannot connect to {len(unreachable)} of them ({shown}). Fix: run `trahiv "
-                "doctor --config <your config>` here; those peers must announce addresses reachable from here "
-                "(dht.announce_maddrs) or run with client_mode."
+                f"Likely cause: this peer cannot connect to {len(unreachable)} of them ({shown}), whose progress "
+                "records it reads from the DHT: the swarm may be split (peers on networks that cannot reach each "
+                "other). Fix: run `trahiv doctor --config <your config>` here and on those peers; every peer that "
+                "accepts connections must announce addresses all others can dial (dht.announce_maddrs), the others "
+                "must run in client mode."
             )
         elif self.client_mode and all(peer.client_mode for peer in others):
             cause = (
@@ -325,6 +332,26 @@ class SilenceWatch:
                 "dht.announce_maddrs."
             )
         return f"{head} {cause}"
+
+
+async def _ping_in_dht(peers: list[str], _dht: Any, node: Any) -> list[str]:
+    from hivemind.p2p import PeerID
+
+    answers = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p)) for p in peers))
+    return [peer for peer, answer in zip(peers, answers, strict=True) if answer is None]
+
+
+def unreachable_peers(dht: Any, peers: Sequence[str]) -> list[str]:
+    """Peers (DHT servers: not in client mode) that do not answer a DHT ping from here (dht.wait_timeout each)."""
+    from functools import partial
+
+    if not peers:
+        return []
+    try:
+        return list(dht.run_coroutine(partial(_ping_in_dht, list(peers))))
+    except Exception as e:  # a diagnosis must never stop training
+        logger.debug(f"Pinging peers failed: {e!r}")
+        return []
 
 
 def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
@@ -357,7 +384,11 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
         outcome["averaged"], outcome["others"] = False, {}
         result = update_epoch(*args, **kwargs)
         seen = {**outcome["others"], **others_now()}  # (a peer that just left withdrew its progress record)
-        watch.observe(outcome["averaged"], [PeerView(peer, client) for peer, client in seen.items()])
+        others = [PeerView(peer, client) for peer, client in seen.items()]
+        unreachable: list[str] = []
+        if watch.due(outcome["averaged"], others):  # split swarm? peers whose records this peer sees, unreachable
+            unreachable = unreachable_peers(optimizer.dht, [peer.peer_id for peer in others if not peer.client_mode])
+        watch.observe(outcome["averaged"], others, unreachable)
         return result
 
     optimizer._average_gradients_and_load_into_optimizer = averaged
