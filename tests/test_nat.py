@@ -8,12 +8,13 @@ with the public trainer: both hold the same parameters after every collaborative
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import netns
 import pytest
-from swarm_helpers import ENV, stop
+from swarm_helpers import ENV, stop, wait_for
 
 
 @pytest.fixture
@@ -93,3 +94,39 @@ def test_two_volunteers_behind_nat_without_a_public_trainer_are_warned(topology,
         warnings = [line for line in log.splitlines() if "has not averaged with anyone for 3 steps" in line]
         assert len(warnings) == 1, log[-3000:]
         assert "every trainer is in client mode" in warnings[0] and "trahiv aux --average" in warnings[0]
+
+
+@pytest.mark.parametrize("topology", [(1, 2)], indirect=True)
+def test_two_volunteers_behind_nat_average_through_the_aux_peer(topology, tmp_path, workdir):
+    """No public trainer: `trahiv aux --average` on the public host is the one peer that accepts connections; both
+    volunteers (README recipe) switch to client mode and average every step through it, holding the same parameters."""
+    out = tmp_path / "aux"
+    out.mkdir()
+    opt = {"run_id": "nat_aux", "target_batch_size": 16, "matchmaking_time": 2.0}
+    config = {"dht": {"host_maddrs": ["/ip4/0.0.0.0/tcp/0"], "nat_port_map": False}, "opt": opt}
+    command = [
+        *topology.public[0].prefix(), sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config),
+        "--output-dir", str(out / "output"), "--period", "0.5", "--max-steps", "20",
+        "--addresses-file", str(out / "addresses.json"), "--average",
+    ]  # fmt: skip
+    aux = subprocess.Popen(command, env=ENV, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
+    try:
+        addresses = wait_for(
+            lambda: aux.poll() is None and (out / "addresses.json").exists() and (out / "addresses.json").read_text(),
+            90,
+            "trahiv aux to start",
+        )
+        initial_peers = [a for a in json.loads(addresses) if a.startswith(f"/ip4/{topology.public[0].ip}/")]
+        common = dict(workdir=str(workdir), run_id="nat_aux", target=16, batch_size=8, max_steps=3, sleep_per_step=0.2)
+        common.update(initial_peers=initial_peers, opt={"min_peers": 2})
+        peers = [netns.start_peer_in(home, tmp_path, f"home{i}", **common) for i, home in enumerate(topology.homes)]
+        dones = [peer.finish() for peer in peers]
+    finally:
+        stop(aux)
+    for peer, done in zip(peers, dones, strict=True):
+        assert "Switching to client mode" in peer.log() and done["global_step"] == 3, peer.log()[-3000:]
+        assert done["averaging_rounds"] == {"complete": 3, "partial": 0, "failed": 0}, done
+    first, second = (peer.params_at() for peer in peers)
+    for step in range(1, 4):
+        assert first[step]["checksum"] == pytest.approx(second[step]["checksum"], rel=1e-6, abs=1e-4), step
+        assert first[step]["abs"] == pytest.approx(second[step]["abs"], rel=1e-6), step
