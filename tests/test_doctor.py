@@ -91,3 +91,42 @@ def test_pure_checks():
     assert check_clock(None, now).status == "warn"
     for value in ("auto", True, False, None):
         assert HivemindConfig.load({"dht": {"client_mode": value}, "opt": {"run_id": "r", "target_batch_size": 1}})
+
+
+def test_auth_server_and_clock_checks():
+    import http.server
+    import threading
+
+    from trahiv.doctor import check_auth_server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            found = self.path == "/api/experiments/doc"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def date_time_string(self, timestamp=None):  # the Date header of a server 2 minutes behind
+            return formatdate(time.time() - 120, usegmt=True)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def config(run_id: str, server_url: str = url) -> HivemindConfig:
+        auth = {"server": server_url, "token": "t", "timeout": 2.0}
+        return HivemindConfig.load({"opt": {"run_id": run_id, "target_batch_size": 1}, "auth": auth})
+
+    try:
+        answers, clock = check_auth_server(config("doc"))
+        assert answers.status == "ok" and clock.status == "fail" and "120 s ahead" in clock.detail
+        unknown = check_auth_server(config("other"))[0]
+        assert unknown.status == "fail" and "knows no experiment 'other'" in unknown.detail and unknown.fix
+    finally:
+        server.shutdown()
+        server.server_close()
+    (dead,) = check_auth_server(config("doc", url))  # the server is gone: no answer
+    assert dead.status == "fail" and "does not answer" in dead.detail and "auth_server" in dead.fix

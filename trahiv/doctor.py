@@ -19,7 +19,16 @@ from typing import Any
 from trahiv.config import HivemindConfig
 from trahiv.connectivity import DialBack, address_kind, dialable, request_dialback
 
-__all__ = ["MAX_CLOCK_SKEW", "Check", "Diagnosis", "check_addresses", "check_clock", "diagnose", "exit_code"]
+__all__ = [
+    "MAX_CLOCK_SKEW",
+    "Check",
+    "Diagnosis",
+    "check_addresses",
+    "check_auth_server",
+    "check_clock",
+    "diagnose",
+    "exit_code",
+]
 
 MAX_CLOCK_SKEW = 30.0  # seconds: DHT records and access tokens expire by the clock; beyond this peers disagree
 DIAL_TIMEOUT = 5.0  # seconds for one initial peer to answer
@@ -93,7 +102,7 @@ def check_clock(server_date: str | None, local_time: float) -> Check:
         return Check(
             "clock",
             "fail",
-            f"this machine's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the auth server's: "
+            f"this machine's clock is {int(abs(skew))} s {'ahead of' if skew > 0 else 'behind'} the auth server's: "
             "access tokens and DHT records would look expired or not yet valid",
             "synchronise the clock (e.g. `sudo timedatectl set-ntp true`, or chrony/ntpd)",
         )
@@ -107,7 +116,7 @@ def diagnose(config: HivemindConfig, *, timeout: float = DIAL_TIMEOUT) -> Diagno
     """Run every check; each bounded by `timeout` (p2pd's start by dht.startup_timeout)."""
     diagnosis = asyncio.run(_network_checks(config, timeout))
     if config.auth is not None:
-        diagnosis.checks += _auth_checks(config)
+        diagnosis.checks += check_auth_server(config)
     return diagnosis
 
 
@@ -228,7 +237,8 @@ def _check_relays(announced: list[str], use_relay: bool, dialback: DialBack | No
     )
 
 
-def _auth_checks(config: HivemindConfig) -> list[Check]:
+def check_auth_server(config: HivemindConfig) -> list[Check]:
+    """The auth server answers for this run, and the clock agrees with its Date header."""
     import urllib.error
     import urllib.request
     from urllib.parse import quote
