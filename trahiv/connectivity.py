@@ -38,6 +38,7 @@ __all__ = [
     "serve_dialback",
     "serve_dialback_in_dht",
     "settle_client_mode",
+    "skip_state_rounds_that_cannot_form",
     "unreachable_peers",
 ]
 
@@ -395,3 +396,39 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     optimizer._load_local_gradients_into_optimizer = loaded_local
     optimizer._update_global_epoch = updated_epoch
     return watch
+
+
+def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
+    """Parameter averaging needs a group leader that accepts connections among the trainers (the auxiliary peer
+    averages gradients only). With every trainer in client mode (volunteers behind NAT around `trahiv aux
+    --average`), hivemind 1.1.12 still tried every `average_state_every` steps: 30 s lost each time and an ERROR
+    with a traceback (`Averaging step failed: could not find a group`). Such rounds are skipped, said once (INFO)."""
+    if optimizer.auxiliary:
+        return
+    step, schedule = optimizer.state_averager.step, optimizer._maybe_schedule_state_averaging
+    said = {"skipped": False}
+
+    def cannot_form() -> bool:
+        records = optimizer.tracker.active_peers.values()
+        return bool(records) and optimizer.client_mode and all(record.client_mode for record in records)
+
+    def state_step(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("averaging_round") and cannot_form():
+            control = kwargs.pop("averaging_control", None)
+            if control is not None and not control.done():
+                control.cancel()
+            kwargs.update(averaging_round=False, averaging_opts=None)
+            if not said["skipped"]:
+                said["skipped"] = True
+                logger.info(
+                    "Skipping parameter averaging: every trainer is in client mode, so no group can form (the "
+                    "auxiliary peer averages gradients only); trainers stay in step through complete gradient rounds"
+                )
+        return step(*args, **kwargs)
+
+    def maybe_schedule() -> None:
+        if not cannot_form():
+            schedule()
+
+    optimizer.state_averager.step = state_step
+    optimizer._maybe_schedule_state_averaging = maybe_schedule

@@ -524,6 +524,7 @@ class Swarm:
         if self.revert_watcher is not None:
             RevertFollower(self.revert_watcher).attach(self.optimizer)
         self.silence_watch = connectivity.attach_silence_watch(self.optimizer)  # warns when it never averages
+        connectivity.skip_state_rounds_that_cannot_form(self.optimizer)  # all trainers in client mode (around aux)
         return self.optimizer
 
     def catch_up(self) -> bool:
