@@ -76,6 +76,7 @@ def test_join_lines_print_only_addresses_others_can_dial():
     assert "client mode" in client[0] and PUBLIC_PEER in client[0] and "To join" not in client[0]
 
 
+@pytest.mark.swarm
 def test_trainers_that_never_average_are_warned(tmp_path, workdir):
     """Two client-mode trainers on 127.0.0.1 and a bootstrap: no group can form (no peer accepts connections); each
     trainer's SilenceWatch, fed by the swarm's optimizer, warns once after 3 collaborative steps without averaging."""

@@ -8,6 +8,7 @@ import sys
 import time
 from email.utils import formatdate
 
+import pytest
 from swarm_helpers import ENV, start_bootstrap
 
 from trahiv.config import DHTConfig, HivemindConfig
@@ -26,6 +27,7 @@ def doctor(*args: str, dht: dict | None = None) -> tuple[int, str, float]:
     return done.returncode, done.stdout + done.stderr, time.monotonic() - began
 
 
+@pytest.mark.swarm
 def test_doctor_reachable_peer_is_ready_unreachable_is_told_the_fix(tmp_path):
     bootstrap = start_bootstrap(tmp_path)
     try:
@@ -58,6 +60,7 @@ def test_doctor_dead_initial_peer_and_config_errors(tmp_path):
     assert code == 2 and "did you mean 'initial_peers'" in out, out
 
 
+@pytest.mark.swarm
 def test_client_mode_auto_switches_when_not_dialled_back(tmp_path, caplog):
     from trahiv.swarm import start_dht
 

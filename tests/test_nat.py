@@ -16,6 +16,8 @@ import netns
 import pytest
 from swarm_helpers import ENV, stop, wait_for
 
+pytestmark = pytest.mark.swarm
+
 
 @pytest.fixture
 def topology(request):
