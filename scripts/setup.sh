@@ -13,7 +13,7 @@ if ! command -v chromium >/dev/null; then
 fi
 # nftables for the NAT tests (tests/test_nat.py: routers in network namespaces; root only, skipped otherwise)
 if ! command -v nft >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables iproute2 \
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables iproute2; } \
     || echo "setup: could not install nftables: tests/test_nat.py will be skipped" >&2
 fi
 stamp=.venv/.trahiv-setup
