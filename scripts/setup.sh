@@ -11,6 +11,11 @@ if ! command -v chromium >/dev/null; then
       "skipped; install Debian's chromium package to run it" >&2
   fi
 fi
+# nftables for the NAT tests (tests/test_nat.py: routers in network namespaces; root only, skipped otherwise)
+if ! command -v nft >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables iproute2; } \
+    || echo "setup: could not install nftables: tests/test_nat.py will be skipped" >&2
+fi
 stamp=.venv/.trahiv-setup
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -81,7 +81,11 @@ class DHTConfig(_Section):
     )
     announce_maddrs: list[str] | None = Field(None, description="public addresses to announce (explicit ports)")
     identity_path: str | None = Field(None, description="private key file that fixes this peer's ID")
-    client_mode: bool = Field(False, description="peer behind NAT: connects out, accepts no incoming connections")
+    client_mode: bool | Literal["auto"] | None = Field(
+        None,
+        description="true: behind NAT, connects out and accepts no incoming connections; false: accepts them; "
+        "'auto' or unset: client mode if an initial peer cannot dial this one back (trahiv.connectivity)",
+    )
     use_relay: bool = Field(True, description="relay connections through other peers (libp2p circuit relay)")
     use_auto_relay: bool = Field(False, description="find relays automatically when behind NAT")
     nat_port_map: bool = Field(True, description="ask the gateway for a port mapping (UPnP/NAT-PMP)")
@@ -106,7 +110,10 @@ class DHTConfig(_Section):
 
     def kwargs(self) -> dict[str, Any]:
         """Arguments for hivemind.DHT, leaving the engine's defaults where the user set nothing."""
-        return self.model_dump(exclude_none=True)
+        kwargs = self.model_dump(exclude_none=True)
+        if kwargs.get("client_mode") == "auto":  # decided by trahiv.swarm.start_dht, not an engine value
+            del kwargs["client_mode"]
+        return kwargs
 
 
 class AuthConfig(_Section):

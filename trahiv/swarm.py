@@ -15,6 +15,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from trahiv import connectivity
 from trahiv.auth import AuthGate, PeerAuth
 from trahiv.compression import make_compression
 from trahiv.config import DHTConfig, HivemindConfig
@@ -58,10 +59,26 @@ class SwarmJoinError(RuntimeError):
 def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
     """Start a DHT peer; raise SwarmJoinError with a clear reason if it cannot start or reach its initial peers."""
     kwargs = {**config.kwargs(), **extra}
+    authenticated = bool(extra)
+    dht = _start_dht(config, kwargs, authenticated)
+    if config.client_mode in (None, "auto") and "client_mode" not in extra:  # client_mode 'auto': dial-back decides
+        restart = lambda: _start_dht(config, kwargs, authenticated, True)  # noqa: E731
+        dht = connectivity.settle_client_mode(dht, config.initial_peers, restart)
+    return dht
+
+
+def _start_dht(
+    config: DHTConfig, kwargs: dict[str, Any], authenticated: bool, client_mode: bool | None = None
+) -> hivemind.DHT:
+    if client_mode is not None:
+        kwargs = {**kwargs, "client_mode": client_mode}
     try:
-        return hivemind.DHT(start=True, **kwargs)
+        dht = hivemind.DHT(start=True, **kwargs)
+        if not dht.client_mode:  # trahiv peers dial others back on request (trahiv doctor, client_mode 'auto')
+            dht.run_coroutine(connectivity.serve_dialback_in_dht)
+        return dht
     except Exception as e:  # one message, not hivemind's chained traceback (that with TRAHIV_DEBUG=1)
-        message = join_error_message(config.initial_peers, config.host_maddrs, e, authenticated=bool(extra))
+        message = join_error_message(config.initial_peers, config.host_maddrs, e, authenticated=authenticated)
         raise SwarmJoinError(message) from (e if debug_enabled() else None)
 
 
@@ -170,7 +187,10 @@ class Swarm:
             name = config.metrics.name or (self.auth.username[:32] if self.auth is not None else None)  # leaderboard
             self.metrics_publisher = MetricsPublisher(self.dht, self.run_id, peer_id=self.peer_id, name=name)
         self._samples_at_last_record = 0
-        announce(f"To join the training, use initial_peers = {join_addresses(self.dht)}")
+        for line in connectivity.join_lines(
+            join_addresses(self.dht), config.dht.initial_peers, client_mode=self.dht.client_mode
+        ):
+            announce(line)
 
     @property
     def run_id(self) -> str:
@@ -282,6 +302,8 @@ class Swarm:
             )
         if self.revert_watcher is not None:
             RevertFollower(self.revert_watcher).attach(self.optimizer)
+        self.silence_watch = connectivity.attach_silence_watch(self.optimizer)  # warns when it never averages
+        connectivity.skip_state_rounds_that_cannot_form(self.optimizer)  # all trainers in client mode (around aux)
         return self.optimizer
 
     def catch_up(self) -> bool:

@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-SUBCOMMANDS = ("dht", "demo", "memory", "auth_server", "aux_peer", "revert")
+SUBCOMMANDS = ("dht", "demo", "memory", "auth_server", "aux_peer", "revert", "doctor")
 DEBUG_HELP = "show tracebacks (also: environment variable TRAHIV_DEBUG=1)"
 
 
