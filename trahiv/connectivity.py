@@ -30,7 +30,6 @@ __all__ = [
     "PeerView",
     "SilenceWatch",
     "address_kind",
-    "attach_silence_watch",
     "dialable",
     "join_lines",
     "probe_reachability",
@@ -38,7 +37,6 @@ __all__ = [
     "serve_dialback",
     "serve_dialback_in_dht",
     "settle_client_mode",
-    "skip_state_rounds_that_cannot_form",
     "unreachable_peers",
 ]
 
@@ -353,82 +351,3 @@ def unreachable_peers(dht: Any, peers: Sequence[str]) -> list[str]:
     except Exception as e:  # a diagnosis must never stop training
         logger.debug(f"Pinging peers failed: {e!r}")
         return []
-
-
-def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
-    """Feed a SilenceWatch from a trahiv.swarm.SwarmOptimizer: after each collaborative step, did gradient averaging
-    succeed, and which other trainers were in the swarm (from their progress records)."""
-    watch = SilenceWatch(rounds, client_mode=bool(optimizer.client_mode))
-    if optimizer.auxiliary or not optimizer.use_gradient_averaging:
-        return watch  # parameter averaging only (use_local_updates): rounds are rare, not watched
-    outcome: dict[str, Any] = {"averaged": False, "local": False, "others": {}}
-
-    def others_now() -> dict[str, bool]:
-        own = optimizer.dht.peer_id.to_base58()
-        return {p: bool(r.client_mode) for p, r in optimizer.tracker.active_peers.items() if p != own}
-
-    average = optimizer._average_gradients_and_load_into_optimizer
-    load_local = optimizer._load_local_gradients_into_optimizer
-    update_epoch = optimizer._update_global_epoch
-
-    def averaged(*args: Any, **kwargs: Any) -> Any:  # hivemind falls back to local gradients inside, on failure
-        outcome["local"], outcome["others"] = False, others_now()  # who was there when the round was due
-        result = average(*args, **kwargs)
-        outcome["averaged"] = not outcome["local"]
-        return result
-
-    def loaded_local(*args: Any, **kwargs: Any) -> Any:
-        outcome["local"] = True
-        return load_local(*args, **kwargs)
-
-    def updated_epoch(*args: Any, **kwargs: Any) -> Any:
-        outcome["averaged"], outcome["others"] = False, {}
-        result = update_epoch(*args, **kwargs)
-        seen = {**outcome["others"], **others_now()}  # (a peer that just left withdrew its progress record)
-        others = [PeerView(peer, client) for peer, client in seen.items()]
-        unreachable: list[str] = []
-        if watch.due(outcome["averaged"], others):  # split swarm? peers whose records this peer sees, unreachable
-            unreachable = unreachable_peers(optimizer.dht, [peer.peer_id for peer in others if not peer.client_mode])
-        watch.observe(outcome["averaged"], others, unreachable)
-        return result
-
-    optimizer._average_gradients_and_load_into_optimizer = averaged
-    optimizer._load_local_gradients_into_optimizer = loaded_local
-    optimizer._update_global_epoch = updated_epoch
-    return watch
-
-
-def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
-    """Parameter averaging needs a group leader that accepts connections among the trainers (the auxiliary peer
-    averages gradients only). With every trainer in client mode (volunteers behind NAT around `trahiv aux
-    --average`), hivemind 1.1.12 still tried every `average_state_every` steps: 30 s lost each time and an ERROR
-    with a traceback (`Averaging step failed: could not find a group`). Such rounds are skipped, said once (INFO)."""
-    if optimizer.auxiliary:
-        return
-    step, schedule = optimizer.state_averager.step, optimizer._maybe_schedule_state_averaging
-    said = {"skipped": False}
-
-    def cannot_form() -> bool:
-        records = optimizer.tracker.active_peers.values()
-        return bool(records) and optimizer.client_mode and all(record.client_mode for record in records)
-
-    def state_step(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("averaging_round") and cannot_form():
-            control = kwargs.pop("averaging_control", None)
-            if control is not None and not control.done():
-                control.cancel()
-            kwargs.update(averaging_round=False, averaging_opts=None)
-            if not said["skipped"]:
-                said["skipped"] = True
-                logger.info(
-                    "Skipping parameter averaging: every trainer is in client mode, so no group can form (the "
-                    "auxiliary peer averages gradients only); trainers stay in step through complete gradient rounds"
-                )
-        return step(*args, **kwargs)
-
-    def maybe_schedule() -> None:
-        if not cannot_form():
-            schedule()
-
-    optimizer.state_averager.step = state_step
-    optimizer._maybe_schedule_state_averaging = maybe_schedule

@@ -29,6 +29,7 @@ from trahiv.engine.optimizer import (
     request_timeout,
     tracker_opts,
 )
+from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_cannot_form
 from trahiv.errors import debug_enabled, join_error_message
 from trahiv.metrics import MetricsPublisher, MetricsRecord
 from trahiv.protocol import ready_peers
@@ -302,8 +303,8 @@ class Swarm:
             )
         if self.revert_watcher is not None:
             RevertFollower(self.revert_watcher).attach(self.optimizer)
-        self.silence_watch = connectivity.attach_silence_watch(self.optimizer)  # warns when it never averages
-        connectivity.skip_state_rounds_that_cannot_form(self.optimizer)  # all trainers in client mode (around aux)
+        self.silence_watch = attach_silence_watch(self.optimizer)  # warns when it never averages
+        skip_state_rounds_that_cannot_form(self.optimizer)  # all trainers in client mode (around aux)
         return self.optimizer
 
     def catch_up(self) -> bool:
