@@ -24,6 +24,7 @@ from trahiv.auth import AuthGate, PeerAuth, gated
 from trahiv.averaging import Aggregation, RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.averaging.partial import Deadlines, ReportingGradientAverager, ReportingMixin, ReportingStateAverager
 from trahiv.averaging.power_sgd import RobustPowerSGDGradientAverager
+from trahiv.averaging.traffic import total_traffic
 from trahiv.compression import make_compression
 from trahiv.config import DHTConfig, HivemindConfig, OptimizerConfig
 from trahiv.metrics import MetricsPublisher, MetricsRecord
@@ -406,6 +407,7 @@ class Swarm:
             client = self.auth.client
             self.revert_watcher = RevertWatcher(self.dht, self.run_id, self.auth.experiment_public_key, client).start()
         self.optimizer: SwarmOptimizer | None = None
+        self.diloco: Any = None  # [DiLoCo] trahiv.diloco.DiLoCoOptimizer, instead of `optimizer`, in DiLoCo mode
         self.started_at = time.monotonic()
         self._model: dict[str, Any] | None = None
         self._model_published_at = -float("inf")
@@ -543,15 +545,19 @@ class Swarm:
         )
 
     def metrics(self) -> dict[str, float]:
+        if self.diloco is not None:  # [DiLoCo] outer step, rounds, bytes
+            return self.diloco.metrics()
         if self.optimizer is None:
             return {}
         tracker = self.optimizer.tracker
+        averagers = (self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None))
         return {
             "collaborative_step": self.optimizer.local_epoch,
             "swarm_peers": max(tracker.global_progress.num_peers, 1),
             "swarm_samples_per_second": round(tracker.swarm_samples_per_second, 3),
             "samples_contributed": self.optimizer.samples_contributed,
             **{f"averaging_rounds_{status}": count for status, count in self.optimizer.averaging_rounds().items()},
+            **total_traffic(averagers),
         }
 
     # --- leaving --------------------------------------------------------------------------------------------
@@ -565,6 +571,8 @@ class Swarm:
     def engine_processes(self) -> list[Any]:
         """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
         procs = [self.dht]
+        if self.diloco is not None:  # [DiLoCo]
+            procs.append(self.diloco.averager)
         if self.optimizer is not None:
             procs += [self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None)]
         return [p for p in procs if p is not None and p.pid is not None]
@@ -579,6 +587,8 @@ class Swarm:
             try:
                 if self.optimizer is not None and self.optimizer.is_alive():
                     self.optimizer.shutdown()
+                if self.diloco is not None:  # [DiLoCo]
+                    self.diloco.shutdown()
                 if self.dht.is_alive():
                     self.dht.shutdown()
             except Exception as e:  # leaving must not raise: the processes are killed below anyway

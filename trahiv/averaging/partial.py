@@ -38,11 +38,11 @@ from hivemind.averaging.partition import AllreduceException
 from trahiv.averaging.robust import (
     MEAN,
     Aggregation,
-    RobustAllReduceRunner,
     RobustGradientAverager,
     RobustTrainingStateAverager,
     run_robust_allreduce_,
 )
+from trahiv.averaging.traffic import Traffic, TrafficCountingRunner
 
 logger = logging.getLogger("trahiv.averaging")
 
@@ -167,8 +167,9 @@ def payload_bytes(tensors: Sequence[torch.Tensor], compression: Any, tensor_info
     return sum(compressed_sizes(tensors, compression, tensor_infos))
 
 
-class PartialRoundRunner(RobustAllReduceRunner):
-    """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index)."""
+class PartialRoundRunner(TrafficCountingRunner):
+    """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index) and counts
+    the bytes it exchanges (trahiv.averaging.traffic)."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -233,12 +234,14 @@ class ReportingMixin:
     deadlines: Deadlines | None
     reports: list[RoundReport]
     round_counts: dict[str, int]
+    traffic: Traffic
     _report_queue: Any
 
     def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
         self.aggregation, self.deadlines = aggregation, deadlines
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
         self._report_queue = mp.get_context("fork").SimpleQueue()
+        self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
 
     def round_reports(self) -> list[RoundReport]:
         """Reports of rounds finished since the last call (in the process that created the averager)."""
@@ -265,6 +268,8 @@ class ReportingMixin:
             if kwargs.get("sender_timeout") is None:
                 kwargs["sender_timeout"], kwargs["reducer_timeout"] = chunk, 2 * chunk
             timeout = self.deadlines.round_timeout(payload, group_size)
+        if issubclass(self.runner_cls, TrafficCountingRunner):
+            kwargs.setdefault("traffic", self.traffic)
         started, error = time.perf_counter(), None
         try:
             run = super()._run_allreduce_inplace_(  # type: ignore[misc]

@@ -1,0 +1,141 @@
+"""DiLoCo mode (trahiv.diloco): the outer step's math in one process, then real peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from swarm_helpers import ENV, TESTS, Peer, start_bootstrap, stop
+
+from trahiv.config import HivemindConfig
+from trahiv.diloco import PeerProgress, outer_sgd_step_, sync_deadline
+
+
+def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(out), **spec}
+    (out / "spec.json").write_text(json.dumps(spec))
+    log = open(out / "log.txt", "w")
+    command = [sys.executable, str(TESTS / "diloco_worker.py"), str(out / "spec.json")]
+    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    return Peer(name, out, process, spec)
+
+
+def syncs(peer: Peer) -> dict[int, dict]:
+    return {r["outer_step"]: r for r in peer.records("sync")}
+
+
+# --- one process ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_is_torch_sgd(nesterov):
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(7)]
+    ours = [t.clone() for t in start]
+    momenta = [torch.zeros_like(t) for t in start]
+    reference = [t.clone().requires_grad_(True) for t in start]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for _ in range(4):
+        grads = [torch.randn_like(t) for t in start]
+        outer_sgd_step_(ours, grads, momenta, lr=0.7, momentum=0.9, nesterov=nesterov)
+        for param, grad in zip(reference, grads, strict=True):
+            param.grad = grad.clone()
+        sgd.step()
+    for mine, theirs in zip(ours, reference, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_step_formula_with_constant_pseudo_gradient():
+    g, lr, mu = 0.6, 0.7, 0.9
+    param, momentum = [torch.zeros(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)]
+    expected, m = 0.0, 0.0
+    for _ in range(3):
+        outer_sgd_step_(param, [torch.full((2,), g, dtype=torch.float64)], momentum, lr, mu, nesterov=True)
+        m = mu * m + g
+        expected -= lr * (g + mu * m)
+    assert param[0].tolist() == pytest.approx([expected] * 2, abs=1e-12)
+    assert expected == pytest.approx(-0.7 * (1.9 * 0.6 + (0.6 + 0.9 * 1.14) + (0.6 + 0.9 * (0.9 * 1.14 + 0.6))))
+
+
+def record(**kw: Any) -> PeerProgress:
+    base = {"peer": "p", "outer_step": 0, "inner_done": 0, "inner_steps": 10, "samples_accumulated": 0,
+            "steps_per_second": 2.0, "time": 100.0, "started": 0.0}  # fmt: skip
+    return PeerProgress(**{**base, **kw})
+
+
+def test_sync_deadline_follows_reported_speed_within_bounds():
+    slow = record(inner_done=6, steps_per_second=2.0, time=100.0)  # 4 steps left at 2 steps/s: 2 s (x1.5 = 3 s)
+    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=600) == pytest.approx(105.0)
+    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=4.0) == pytest.approx(104.0)
+    assert sync_deadline([], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
+    dead = record(inner_done=6, time=50.0)  # its last record is 50 s old: it does not hold the others
+    assert sync_deadline([dead], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
+
+
+def test_progress_records_are_validated():
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N").to_bytes()
+    good = {"peer_id": peer, "outer_step": 3, "inner_done": 1, "inner_steps": 5, "samples_accumulated": 4,
+            "steps_per_second": 1.0, "time": 1.0, "started": 0.0}  # fmt: skip
+    assert PeerProgress.parse(good) is not None
+    for bad in ({"outer_step": -1}, {"inner_steps": 0}, {"time": float("nan")}, {"peer_id": "x"}, {"inner_done": 1.5}):
+        assert PeerProgress.parse({**good, **bad}) is None, bad
+    assert PeerProgress.parse({k: v for k, v in good.items() if k != "started"}) is None
+
+
+def test_config_rejects_unknown_keys_and_clashes():
+    base = {"opt": {"run_id": "r", "target_batch_size": 4}}
+    assert HivemindConfig.load({**base, "diloco": {"inner_steps": 7}}).diloco.inner_steps == 7  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="did you mean 'inner_steps'"):
+        HivemindConfig.load({**base, "diloco": {"inner_step": 7}})
+    with pytest.raises(ValueError, match="compression"):
+        HivemindConfig.load({**base, "diloco": {"compression": "int4"}})
+    with pytest.raises(ValueError, match="use_local_updates"):
+        HivemindConfig.load({"opt": {**base["opt"], "use_local_updates": True}, "diloco": {}})
+
+
+# --- real peers -------------------------------------------------------------------------------------------------------
+
+
+def expected_toy_values(pseudo_gradient: float, rounds: int, lr=0.7, mu=0.9) -> list[float]:
+    w, m, values = 0.0, 0.0, []
+    for _ in range(rounds):
+        m = mu * m + pseudo_gradient
+        w -= lr * (pseudo_gradient + mu * m)
+        values.append(w)
+    return values
+
+
+def test_exact_outer_steps_between_two_peers(tmp_path, workdir):
+    """Toy model: every inner SGD step moves w by -lr_inner x c, so after H steps peer i's pseudo-gradient is
+    H x lr_inner x c_i; equal samples: the average is H x 0.1 x (1 + 3) / 2 = 0.6, and w follows the Nesterov formula."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_toy", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 3, "max_steps": 9, "lr": 0.1, "opt": {"min_peers": 2},
+              "diloco": {"compression": "none"}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, **common),
+             start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    expected = expected_toy_values(3 * 0.1 * 2.0, 3)
+    for peer, done in zip(peers, dones, strict=True):
+        assert done["outer_step"] == 3 and done["global_step"] == 9, done
+        assert done["syncs"]["averaged"] == 3, done
+        got = [syncs(peer)[s]["values"] for s in (1, 2, 3)]
+        for values, want in zip(got, expected, strict=True):
+            assert values == pytest.approx([want] * 4, abs=1e-5), (peer.name, got, expected)
+        metrics = done["metrics"]
+        assert metrics["averaging_rounds_complete"] == 3, metrics
+        assert metrics["averaging_bytes_sent"] > 0 and metrics["averaging_bytes_received"] > 0, metrics
