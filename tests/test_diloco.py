@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_helpers import ENV, TESTS, Peer, start_bootstrap, stop
+from swarm_helpers import ENV, TESTS, Peer, start_bootstrap, stop, wait_for
 
 from trahiv.config import HivemindConfig
 from trahiv.diloco import PeerProgress, outer_sgd_step_, sync_deadline
@@ -139,3 +139,36 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir):
         metrics = done["metrics"]
         assert metrics["averaging_rounds_complete"] == 3, metrics
         assert metrics["averaging_bytes_sent"] > 0 and metrics["averaging_bytes_received"] > 0, metrics
+
+
+def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir):
+    """Two GPT-2 peers train; a third joins mid-run, downloads the outer state and contributes from the next sync.
+    After every sync all peers hold the same trainable weights (compression 'none')."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_gpt2", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 5, "max_steps": 40, "sleep_per_step": 0.2, "diloco": {"compression": "none"}}  # fmt: skip
+    a = start_diloco_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
+    b = start_diloco_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
+    peers = [a, b]
+    try:
+        wait_for(lambda: a._check_alive() and max(syncs(a), default=0) >= 1, 90, "peer a's first sync")
+        c = start_diloco_peer(tmp_path, "c", **common)
+        peers.append(c)
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    joined_at = json.loads((c.out / "ready.json").read_text())["start_step"]
+    assert joined_at >= 5, joined_at  # the joiner started from the swarm's step, not from 0
+    for done in dones:
+        assert done["global_step"] == 40 and done["outer_step"] == 8, done
+        assert done["metrics"]["averaging_rounds_partial"] == 0 == done["metrics"]["averaging_rounds_failed"], done
+    records = [syncs(peer) for peer in peers]
+    assert all(record[s]["sha256"] == records[1][s]["sha256"] for s in range(1, 9) for record in records[:2])
+    c_steps = sorted(s for s in records[2] if s > 0)
+    assert c_steps and c_steps[-1] == 8 and len(c_steps) >= 2, c_steps
+    for s in c_steps:  # the joiner's weights after its download and after every sync it took part in
+        assert records[2][s]["sha256"] == records[0][s]["sha256"], s
+    assert dones[2]["syncs"]["averaged"] >= 1, dones[2]
+    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "missed": 0}, dones[0]

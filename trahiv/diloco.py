@@ -44,7 +44,8 @@ from hivemind.utils.mpfuture import MPFuture
 from transformers.trainer_callback import DefaultFlowCallback
 
 from trahiv.auth import AuthGate, gated
-from trahiv.averaging.partial import Deadlines, ReportingMixin, RobustAverager
+from trahiv.averaging.exact import ExactAverager, ExactRoundRunner
+from trahiv.averaging.partial import Deadlines, ReportingMixin
 from trahiv.averaging.robust import (
     Aggregation,
     CheckedStateDownload,
@@ -148,10 +149,13 @@ def sync_deadline(pending: Sequence[PeerProgress], started: float, floor: float,
 # --- the averager ---------------------------------------------------------------------------------------------------
 
 
-class DiLoCoAverager(ReportingMixin, RobustAverager, CheckedStateDownload):
+class DiLoCoAverager(ReportingMixin, ExactAverager, CheckedStateDownload):
     """Averages the pseudo-gradient buffers with trahiv's robust all-reduce (weights capped at the samples each peer
-    reported in its progress record, partial rounds reported) and serves the outer state for download:
-    metadata {"epoch": outer step}, tensors = outer parameters + outer momentum (fp32)."""
+    reported in its progress record, partial rounds reported), every peer ending with the same bits
+    (trahiv.averaging.exact), and serves the outer state for download: metadata {"epoch": outer step}, tensors =
+    outer parameters + outer momentum (fp32)."""
+
+    runner_cls = ExactRoundRunner
 
     def __init__(
         self,
@@ -209,7 +213,7 @@ class DiLoCoAverager(ReportingMixin, RobustAverager, CheckedStateDownload):
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        return RobustAverager._get_handle_name(namespace, method_name)
+        return ExactAverager._get_handle_name(namespace, method_name)
 
 
 # --- the optimizer the Trainer uses ------------------------------------------------------------------------------------
@@ -524,6 +528,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._publisher.join(timeout=1.0)
+        try:  # a blocking store: the DHT has handled every earlier (background) store before it stops
+            self._publish(wait=True)
+        except Exception as e:
+            logger.debug(f"Could not publish the last DiLoCo progress: {e!r}")
         if self.averager.is_alive():
             self.averager.shutdown()
 
