@@ -61,8 +61,10 @@ class SyncRecorder(TrainerCallback):
             "outer_step": diloco.outer_step,
             "global_step": state.global_step,
             "checksum": sum(float(p.double().sum()) for _, p in named),
-            "sha256": {n: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                       for n, p in named},  # fmt: skip
+            "sha256": {
+                n: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, p in named
+            },  # fmt: skip
             "t": time.time(),
         }
         if self.spec.get("toy_grad") is not None:

@@ -170,9 +170,11 @@ class DiLoCoAverager(ReportingMixin, ExactAverager, CheckedStateDownload):
         self.state_source: DiLoCoOptimizer | None = None  # set by its optimizer: what get_current_state serves
         super().__init__(*args, **kwargs)
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
         caps = await RobustGradientAverager._weight_caps(self, group_info.peer_ids)  # type: ignore[arg-type]
-        await super()._run_allreduce_inplace_(tensors, group_info, weight_caps=caps, **kwargs)
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, weight_caps=caps, **kwargs)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         """In the training process: the outer state (a consistent copy, taken between outer steps)."""
@@ -216,7 +218,7 @@ class DiLoCoAverager(ReportingMixin, ExactAverager, CheckedStateDownload):
         return ExactAverager._get_handle_name(namespace, method_name)
 
 
-# --- the optimizer the Trainer uses ------------------------------------------------------------------------------------
+# --- the optimizer the Trainer uses ---------------------------------------------------------------------------------
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -522,7 +524,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state)
         if saved is not None:
             with torch.no_grad(), self._lock:
-                for target, source in zip((*self.outer_params, *self.momenta), (*saved["outer_params"], *saved["momenta"]), strict=True):
+                for target, source in zip(
+                    (*self.outer_params, *self.momenta), (*saved["outer_params"], *saved["momenta"]), strict=True
+                ):
                     target.copy_(source)
                 self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
 
@@ -542,7 +546,7 @@ def group_bits(outer_step: int) -> str:
     return format(outer_step % 2**16, "016b")
 
 
-# --- the Trainer's flow over inner steps -------------------------------------------------------------------------------
+# --- the Trainer's flow over inner steps ----------------------------------------------------------------------------
 
 
 class DiLoCoFlowCallback(DefaultFlowCallback):
@@ -593,4 +597,3 @@ def set_schedule_step(scheduler: Any, step: int) -> None:
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = lrs
-
