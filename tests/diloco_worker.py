@@ -114,6 +114,7 @@ def main(spec_path: str) -> int:
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
+    begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.add_callback(SyncRecorder(trainer, spec, out))
     result = trainer.train()
@@ -126,6 +127,7 @@ def main(spec_path: str) -> int:
         "syncs": diloco_opt.syncs,
     }
     if spec.get("eval_blocks"):
+        done["eval_loss_begin"] = begin_loss
         done["eval_loss"] = eval_loss(trainer.model, dataset, spec["eval_blocks"])
     if spec.get("save_final"):
         torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, out / "final.pt")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from swarm_helpers import ENV, TESTS, Peer, start_bootstrap, stop, wait_for
+from swarm_helpers import ENV, TESTS, Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
 from trahiv.diloco import PeerProgress, outer_sgd_step_, sync_deadline
@@ -172,7 +178,7 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir):
     for s in c_steps:  # the joiner's weights after its download and after every sync it took part in
         assert records[2][s]["sha256"] == records[0][s]["sha256"], s
     assert dones[2]["syncs"]["averaged"] >= 1, dones[2]
-    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "missed": 0}, dones[0]
+    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "failed": 0, "missed": 0}, dones[0]
 
 
 def test_lora_only_adapters_travel(tmp_path, workdir):
@@ -210,3 +216,77 @@ def test_lora_only_adapters_travel(tmp_path, workdir):
         per_round = metrics["averaging_bytes_sent"] / 3
         assert expected <= per_round <= 1.1 * expected + 1000, (per_round, expected)  # + message headers
         assert per_round < model_values / 10  # a tenth of the model's fp16 all-reduce: no base weight travels
+
+
+def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
+    """Three peers; one is killed (its whole process tree, as a crash) right after a sync. The other two wait for it
+    at most until its record expires or its reported speed says it should have arrived, then average without it:
+    their next sync comes seconds later, not after `max_sync_wait` (600 s) or the engine's averaging timeout."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_kill", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1, "opt": {"min_peers": 3}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b", "c")]
+    a, b, c = peers
+    try:
+        wait_for(lambda: c._check_alive() and max(syncs(c), default=0) >= 2, 120, "peer c's second sync")
+        for pid in reversed(process_tree(c.process.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        dones = [peer.finish(timeout=150) for peer in (a, b)]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for done in dones:
+        assert done["global_step"] == 24 and done["outer_step"] == 6, done
+    records = [syncs(peer) for peer in (a, b)]
+    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 7))
+    after = sorted(r["t"] for r in records[0].values() if r["t"] > killed_at)
+    assert after, "no sync after the kill"
+    # the first sync after the kill: 4 inner steps (~0.5 s) + waiting for the dead peer + matchmaking (2 s)
+    assert after[0] - killed_at < 30, after[0] - killed_at
+
+
+def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
+    """Three peers, one sends its pseudo-gradients x1000 at every sync. With CenteredClip the two honest peers still
+    learn (with the plain mean one sync would move the weights ~300x an honest outer step), and stay identical."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_byz", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 16, "eval_blocks": 8,
+              "opt": {"min_peers": 3, "aggregation": {"name": "centered_clip", "tau": 1.0}}}  # fmt: skip
+    evil = {"attack": "scale", "factor": 1000.0}
+    peers = [start_diloco_peer(tmp_path, "a", **common), start_diloco_peer(tmp_path, "b", **common),
+             start_diloco_peer(tmp_path, "evil", byzantine=evil, **common)]  # fmt: skip
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers[:2]]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for done in dones:
+        assert done["outer_step"] == 4 and done["syncs"]["averaged"] == 4, done
+        assert math.isfinite(done["eval_loss"]) and done["eval_loss"] < done["eval_loss_begin"], done
+    records = [syncs(peer) for peer in peers[:2]]
+    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 5))
+
+
+def test_synchronous_mode_logs_averaging_bytes(tmp_path, workdir):
+    """The synchronous mode logs averaging_bytes_sent / _received too (gradient and parameter rounds)."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "sync_bytes", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "target": 4, "max_steps": 3, "toy_grad": 1.0, "sleep_per_step": 0.2,
+              "opt": {"min_peers": 2, "average_state_every": 1}}  # fmt: skip
+    peers = [start_peer(tmp_path, name, **common) for name in ("a", "b")]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for peer, done in zip(peers, dones, strict=True):
+        logs = [ast.literal_eval(line) for line in peer.log().splitlines() if "'averaging_bytes_sent'" in line]
+        assert logs, peer.log()[-2000:]
+        last = logs[-1]
+        assert done["averaging_rounds"]["complete"] >= 1, done
+        assert int(last["averaging_bytes_sent"]) > 0 and int(last["averaging_bytes_received"]) > 0, last

@@ -247,7 +247,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.momenta = [torch.zeros_like(p) for p in self.outer_params]
             grads = [torch.zeros_like(p) for p in self.outer_params]
         self.outer_step = self.inner_done = self.samples = self.samples_total = 0
-        self.syncs = {"averaged": 0, "alone": 0, "missed": 0}
+        self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
         self.steps_per_second = 0.0
         self.started = get_dht_time()
         self.peers: dict[str, PeerProgress] = {}  # other peers' latest records
@@ -380,10 +380,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.syncs["alone"] += 1
             return "alone"
         self.averager.set_group_bits(group_bits(self.outer_step))
+        opt = self.config.opt
+        # the peers that are ready look for a group within a poll period of each other: a few matchmaking windows
+        # bound the search (a peer killed at its sync point costs that); the all-reduce has its own deadlines
+        search = min(opt.averaging_timeout, 3 * opt.matchmaking_time)
         try:
-            self.averager.step(weight=float(max(self.samples, 1)), timeout=self.config.opt.averaging_timeout)
+            self.averager.step(weight=float(max(self.samples, 1)), timeout=search)
         except Exception as e:  # the round's report (if it started) says more; values kept local where not averaged
             logger.warning(f"Outer step {self.outer_step}: averaging pseudo-gradients failed ({e!r})")
+            self.syncs["failed"] += 1
             return "failed"
         finally:
             self.averager.round_reports()
