@@ -12,9 +12,11 @@ With SPEC["byzantine"] = {"attack": ..., "factor": x} the peer corrupts its pseu
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,6 +85,7 @@ def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
 
 
 def main(spec_path: str) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck peer)
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)

@@ -564,6 +564,8 @@ class Swarm:
 
     def _contribution(self) -> tuple[int, int]:
         """(samples contributed, collaborative step) reported to the auth server when the access token is renewed."""
+        if self.diloco is not None:  # [DiLoCo]
+            return self.diloco.samples_total, self.diloco.outer_step
         if self.optimizer is None:
             return 0, 0
         return self.optimizer.samples_contributed, self.optimizer.local_epoch
