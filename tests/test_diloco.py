@@ -20,7 +20,7 @@ import transformers
 from swarm_helpers import ENV, TESTS, Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
-from trahiv.diloco import PeerProgress, outer_sgd_step_, sync_deadline
+from trahiv.diloco import PeerProgress, outer_sgd_step_, since_first_seen, sync_deadline
 
 
 def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
@@ -84,6 +84,14 @@ def test_sync_deadline_follows_reported_speed_within_bounds():
     assert sync_deadline([], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
     dead = record(inner_done=6, time=50.0)  # its last record is 50 s old: it does not hold the others
     assert sync_deadline([dead], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
+
+
+def test_a_stuck_peer_does_not_push_the_deadline():
+    first_seen: dict = {}
+    stuck = [since_first_seen(record(inner_done=6, time=t), first_seen) for t in (100.0, 110.0, 120.0)]
+    assert [r.time for r in stuck] == [100.0, 100.0, 100.0]  # the same progress, re-published: dated when first seen
+    moving = since_first_seen(record(inner_done=7, time=130.0), first_seen)
+    assert moving.time == 130.0
 
 
 def test_progress_records_are_validated():

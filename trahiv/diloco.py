@@ -29,6 +29,7 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -64,6 +65,7 @@ __all__ = [
     "DiLoCoOptimizer",
     "PeerProgress",
     "outer_sgd_step_",
+    "since_first_seen",
     "sync_deadline",
 ]
 
@@ -136,6 +138,13 @@ class PeerProgress:
         if self.steps_per_second <= 0:
             return self.time + UNKNOWN_RATE_WAIT
         return self.time + ETA_SLACK * remaining / self.steps_per_second
+
+
+def since_first_seen(record: PeerProgress, first_seen: dict[tuple[str, int, int], float]) -> PeerProgress:
+    """The record, dated from when its progress was first seen: a peer that keeps publishing the same inner step (alive
+    but stuck) must not push the deadline further with every record."""
+    key = (record.peer, record.outer_step, record.inner_done)
+    return dataclasses.replace(record, time=first_seen.setdefault(key, record.time))
 
 
 def sync_deadline(pending: Sequence[PeerProgress], started: float, floor: float, max_wait: float) -> float:
@@ -360,11 +369,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _wait_for_peers(self) -> bool:
         """Wait for the peers at this outer step until `sync_deadline`; True if the swarm is already past it."""
         started, floor = get_dht_time(), max(2.0, self.config.opt.matchmaking_time)
+        first_seen: dict[tuple[str, int, int], float] = {}
         while True:
             others = self._others()
             if any(record.outer_step > self.outer_step for record in others.values()):
                 return True
-            pending = [r for r in others.values() if r.outer_step == self.outer_step and r.inner_done < r.inner_steps]
+            pending = [
+                since_first_seen(r, first_seen)
+                for r in others.values()
+                if r.outer_step == self.outer_step and r.inner_done < r.inner_steps
+            ]
             if not pending:
                 return False
             if get_dht_time() >= sync_deadline(pending, started, floor, self.cfg.max_sync_wait):
