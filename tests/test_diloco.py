@@ -78,8 +78,8 @@ def record(**kw: Any) -> PeerProgress:
 
 
 def test_sync_deadline_follows_reported_speed_within_bounds():
-    slow = record(inner_done=6, steps_per_second=2.0, time=100.0)  # 4 steps left at 2 steps/s: 2 s (x1.5 = 3 s)
-    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=600) == pytest.approx(105.0)
+    slow = record(inner_done=6, steps_per_second=2.0, time=100.0)  # 4 steps left at 2 steps/s: 2 s (x2 = 4 s)
+    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=600) == pytest.approx(106.0)
     assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=4.0) == pytest.approx(104.0)
     assert sync_deadline([], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
     dead = record(inner_done=6, time=50.0)  # its last record is 50 s old: it does not hold the others

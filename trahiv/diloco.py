@@ -14,8 +14,8 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   counted, never silent), the auth gate in moderated swarms, and every byte counted (`averaging_bytes_*`);
 - each peer publishes its progress (outer step, inner steps done, steps/s) to the DHT every PUBLISH_PERIOD seconds. A
   peer that reaches H waits for the others at its outer step until the time their progress says they need
-  (x ETA_SLACK, bounded by `max_sync_wait`), then averages with those present: a slow or dead peer costs the others
-  at most that wait; a peer killed during the all-reduce costs them the round's chunk deadline (seconds);
+  (x ETA_SLACK, + a floor, bounded by `max_sync_wait`), then averages with those present: a slow or dead peer costs
+  the others at most that wait; a peer killed during the all-reduce costs them the round's chunk deadline (seconds);
 - the outer step is in each peer's group key: peers at different outer steps never average together;
 - a peer that finds the swarm at a later outer step (it missed a sync: too slow, or its round failed while the others
   moved on) drops its pseudo-gradient (its H steps of work are lost: it was computed against outer parameters the
@@ -71,7 +71,8 @@ __all__ = [
 
 PUBLISH_PERIOD = 2.0  # seconds between two progress records of a peer
 RECORD_TTL = 5 * PUBLISH_PERIOD  # a peer that stops publishing (dead) is forgotten after this many seconds
-ETA_SLACK = 1.5  # a sync waits for a slower peer up to 1.5x the time its reported speed needs to reach H
+ETA_SLACK = 2.0  # a sync waits for a slower peer up to 2x the time its reported speed needs to reach H
+MIN_WAIT = 5.0  # seconds added to every wait (busy CPUs: a step can take a few times the average)
 UNKNOWN_RATE_WAIT = 60.0  # seconds a sync waits for a peer that has not measured its speed yet
 POLL_PERIOD = 0.2  # seconds between two reads of the peers' progress while waiting
 
@@ -368,7 +369,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _wait_for_peers(self) -> bool:
         """Wait for the peers at this outer step until `sync_deadline`; True if the swarm is already past it."""
-        started, floor = get_dht_time(), max(2.0, self.config.opt.matchmaking_time)
+        # the floor also covers the age of a record when first seen (it is published every PUBLISH_PERIOD)
+        started, floor = get_dht_time(), max(MIN_WAIT, self.config.opt.matchmaking_time) + PUBLISH_PERIOD
         first_seen: dict[tuple[str, int, int], float] = {}
         while True:
             others = self._others()
