@@ -18,7 +18,7 @@ import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartReducer
 
 from trahiv.averaging import Aggregation
-from trahiv.engine.averagers import RobustTensorPartReducer
+from trahiv.engine.allreduce import RobustTensorPartReducer
 
 __all__ = ["main", "time_reduction"]
 

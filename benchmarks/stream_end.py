@@ -43,7 +43,7 @@ def run_rounds(runner: str, rounds: int) -> dict:
 
     from trahiv import engine
     from trahiv.averaging.robust import MEAN
-    from trahiv.engine.averagers import run_robust_allreduce_
+    from trahiv.engine.allreduce import run_robust_allreduce_
 
     engine.apply()
     logging.basicConfig(format="%(name)s %(message)s")

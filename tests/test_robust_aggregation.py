@@ -15,7 +15,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from trahiv.averaging import Aggregation, centered_clip
 from trahiv.averaging.robust import reported_sample_caps, state_rejection_reason, weighted_median
 from trahiv.config import HivemindConfig
-from trahiv.engine.averagers import RobustTensorPartReducer
+from trahiv.engine.allreduce import RobustTensorPartReducer
 from trahiv.protocol import trusted_epoch
 
 CLIP = Aggregation("centered_clip", tau=0.5, n_iters=50)

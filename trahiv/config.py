@@ -20,6 +20,7 @@ __all__ = [
     "AggregationConfig",
     "AuthConfig",
     "DHTConfig",
+    "DiLoCoConfig",
     "HivemindConfig",
     "MetricsConfig",
     "OptimizerConfig",
@@ -276,6 +277,33 @@ class MetricsConfig(_Section):
         return value
 
 
+class DiLoCoConfig(_Section):
+    """DiLoCo (Douillard et al. 2023): each peer trains alone for `inner_steps` with the Trainer's optimizer, then the
+    peers average their pseudo-gradients (outer minus local parameters) and take one outer SGD step. See trahiv.diloco.
+    """
+
+    inner_steps: int = Field(100, ge=1, description="H: local optimizer steps between two syncs")
+    outer_lr: float = Field(0.7, gt=0, allow_inf_nan=False, description="learning rate of the outer SGD step")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="momentum of the outer SGD step")
+    nesterov: bool = Field(True, description="Nesterov momentum in the outer step (needs outer_momentum > 0)")
+    compression: CompressionName = Field("fp16", description=f"compression of pseudo-gradients: {COMPRESSIONS}")
+    fragments: int = Field(1, ge=1, description="streaming DiLoCo fragments (only 1, the whole model, for now)")
+    max_sync_wait: float = Field(
+        600.0, gt=0, description="seconds a sync waits at most for slower peers (beyond that it goes on without them)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DiLoCoConfig:
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (e.g. 0.9), or set nesterov=False")
+        if self.fragments != 1:
+            raise ValueError(
+                f"fragments={self.fragments}: streaming DiLoCo (parameters synced in fragments) is not implemented "
+                "yet; set fragments=1 (the whole model at every sync)"
+            )
+        return self
+
+
 class HivemindConfig(_Section):
     """The whole `hivemind_config`: `dht` (how to join) and `opt` (how to train together)."""
 
@@ -285,6 +313,28 @@ class HivemindConfig(_Section):
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig, description="what this peer publishes to the swarm's metrics: {'name', ...}"
     )
+    diloco: DiLoCoConfig | None = Field(
+        None, description="DiLoCo mode: local training, pseudo-gradients averaged every inner_steps: {'inner_steps'}"
+    )
+
+    @model_validator(mode="after")
+    def _diloco_alone(self) -> HivemindConfig:
+        """DiLoCo replaces hivemind.Optimizer: the options that only make sense inside it are refused with it."""
+        if self.diloco is None:
+            return self
+        opt, clash = self.opt, []
+        if opt.use_local_updates:
+            clash.append("use_local_updates")
+        if opt.power_sgd_rank is not None:
+            clash.append("power_sgd_rank")
+        if opt.delay_grad_averaging or opt.delay_state_averaging or opt.delay_optimizer_step:
+            clash.append("delay_*")
+        if clash:
+            raise ValueError(
+                f"diloco cannot be combined with opt.{', opt.'.join(clash)}: DiLoCo averages pseudo-gradients every "
+                "inner_steps itself; remove these keys (or remove 'diloco' to train synchronously)"
+            )
+        return self
 
     @classmethod
     def load(cls, value: HivemindConfig | dict | str | Path) -> HivemindConfig:

@@ -38,7 +38,7 @@ from trahiv.engine.state import download_state, leave_rounds, load_state
 
 if TYPE_CHECKING:
     from trahiv.auxiliary.checkpoints import SwarmState
-    from trahiv.swarm import SwarmOptimizer
+    from trahiv.engine.optimizer import SwarmOptimizer
 
 logger = logging.getLogger("trahiv.revert")
 

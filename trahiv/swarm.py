@@ -29,6 +29,7 @@ from trahiv.engine.optimizer import (
     request_timeout,
     tracker_opts,
 )
+from trahiv.engine.traffic import total_traffic
 from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_cannot_form
 from trahiv.errors import debug_enabled, join_error_message
 from trahiv.metrics import MetricsPublisher, MetricsRecord
@@ -180,6 +181,7 @@ class Swarm:
             client = self.auth.client
             self.revert_watcher = RevertWatcher(self.dht, self.run_id, self.auth.experiment_public_key, client).start()
         self.optimizer: SwarmOptimizer | None = None
+        self.diloco: Any = None  # [DiLoCo] trahiv.diloco.DiLoCoOptimizer, instead of `optimizer`, in DiLoCo mode
         self.started_at = time.monotonic()
         self._model: dict[str, Any] | None = None
         self._model_published_at = -float("inf")
@@ -341,21 +343,27 @@ class Swarm:
         )
 
     def metrics(self) -> dict[str, float]:
+        if self.diloco is not None:  # [DiLoCo] outer step, rounds, bytes
+            return self.diloco.metrics()
         if self.optimizer is None:
             return {}
         tracker = self.optimizer.tracker
+        averagers = (self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None))
         return {
             "collaborative_step": self.optimizer.local_epoch,
             "swarm_peers": max(tracker.global_progress.num_peers, 1),
             "swarm_samples_per_second": round(tracker.swarm_samples_per_second, 3),
             "samples_contributed": self.optimizer.samples_contributed,
             **{f"averaging_rounds_{status}": count for status, count in self.optimizer.averaging_rounds().items()},
+            **total_traffic(averagers),
         }
 
     # --- leaving --------------------------------------------------------------------------------------------
 
     def _contribution(self) -> tuple[int, int]:
         """(samples contributed, collaborative step) reported to the auth server when the access token is renewed."""
+        if self.diloco is not None:  # [DiLoCo]
+            return self.diloco.samples_total, self.diloco.outer_step
         if self.optimizer is None:
             return 0, 0
         return self.optimizer.samples_contributed, self.optimizer.local_epoch
@@ -363,6 +371,8 @@ class Swarm:
     def engine_processes(self) -> list[Any]:
         """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
         procs = [self.dht]
+        if self.diloco is not None:  # [DiLoCo]
+            procs.append(self.diloco.averager)
         if self.optimizer is not None:
             procs += [self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None)]
         return [p for p in procs if p is not None and p.pid is not None]
@@ -377,6 +387,8 @@ class Swarm:
             try:
                 if self.optimizer is not None and self.optimizer.is_alive():
                     self.optimizer.shutdown()
+                if self.diloco is not None:  # [DiLoCo]
+                    self.diloco.shutdown()
                 if self.dht.is_alive():
                     self.dht.shutdown()
             except Exception as e:  # leaving must not raise: the processes are killed below anyway

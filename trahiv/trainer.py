@@ -250,9 +250,12 @@ class Trainer(transformers.Trainer):
         if callable(use_peer_seed):  # a trahiv.data stream without an explicit seed shuffles by this peer's identity
             use_peer_seed(swarm.peer_seed(self.args.seed))
         handler = self.callback_handler
-        handler.callbacks = [
-            CollaborativeFlowCallback(self) if isinstance(cb, DefaultFlowCallback) else cb for cb in handler.callbacks
-        ]
+        flow: DefaultFlowCallback = CollaborativeFlowCallback(self)
+        if config.diloco is not None:  # [DiLoCo] state.global_step counts inner steps
+            from trahiv.diloco import DiLoCoFlowCallback
+
+            flow = DiLoCoFlowCallback(self)
+        handler.callbacks = [flow if isinstance(cb, DefaultFlowCallback) else cb for cb in handler.callbacks]
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -272,7 +275,7 @@ class Trainer(transformers.Trainer):
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
 
     def set_initial_training_values(self, args, dataloader, *rest, **kwargs):
-        if self.swarm is None:
+        if self.swarm is None or config_of(self).diloco is not None:  # [DiLoCo] max_steps counts inner steps
             return super().set_initial_training_values(args, dataloader, *rest, **kwargs)
         self.collaborative_max_steps = self._collaborative_max_steps(dataloader)
         target = config_of(self).opt.target_batch_size
@@ -307,7 +310,8 @@ class Trainer(transformers.Trainer):
         special = {"params", "model", "optimizer_dict"} & set(optimizer_kwargs)
         if special:
             raise ValueError(f"optim={self.args.optim!r} builds its own parameter list ({special}); not supported")
-        self._check_dtypes(groups)
+        if config_of(self).diloco is None:  # [DiLoCo] outer copies are fp32 whatever the dtype
+            self._check_dtypes(groups)
         max_steps, args = self.collaborative_max_steps, self.args
         full_precision = _embedding_positions(opt_model, groups) if _is_8bit(optimizer_cls, optimizer_kwargs) else []
 
@@ -326,6 +330,11 @@ class Trainer(transformers.Trainer):
                 scheduler_specific_kwargs=args.lr_scheduler_kwargs,
             )
 
+        if config_of(self).diloco is not None:  # [DiLoCo] the Trainer's optimizer runs locally, synced every H steps
+            from trahiv.diloco import DiLoCoOptimizer
+
+            self.optimizer = DiLoCoOptimizer(self.swarm, groups, make_optimizer, self.samples_per_local_step())
+            return self.optimizer
         self.optimizer = self.swarm.make_optimizer(
             groups, make_optimizer, make_scheduler, self.samples_per_local_step()
         )
@@ -362,7 +371,7 @@ class Trainer(transformers.Trainer):
             raise ValueError("fp16 compression rejects bf16 tensors: use 'scaled_fp16', '*8bit' or 'none'")
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.swarm is None:
+        if self.swarm is None or config_of(self).diloco is not None:  # [DiLoCo] the Trainer's own, local schedule
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
             self.lr_scheduler = SwarmScheduler(self.swarm.optimizer)  # type: ignore[assignment]

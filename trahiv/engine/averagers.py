@@ -5,8 +5,7 @@ that does; the policies stay engine-free: aggregation (CenteredClip, checks on p
 deadlines and round reports in `trahiv.averaging.partial`. Bodies adapted from hivemind say so, with the function
 they came from (hivemind 1.1.12).
 
-- `RobustTensorPartReducer` / `RobustAllReduceRunner`: every sender's copy of a part is buffered and aggregated once all
-  arrived (garbage excluded, weights clamped); streams end on the sender's side (see `_exchange_with_reducer`).
+- the all-reduce itself (reducer, runner, stream ends) is in `trahiv.engine.allreduce`; byte counts in `traffic`.
 - `PartialRoundRunner` / `ReportingMixin`: partial rounds detected and reported, payload-based deadlines, rounds without
   a group counted as failed.
 - `RobustGradientAverager`: a failed round falls back to this peer's gradients (hivemind's fallback was zeros).
@@ -25,21 +24,20 @@ import multiprocessing as mp
 import queue
 import random
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
@@ -48,13 +46,13 @@ from trahiv.averaging.partial import Deadlines, RoundReport, compressed_sizes
 from trahiv.averaging.robust import (
     MEAN,
     Aggregation,
-    aggregate,
-    rejection_reason,
     reported_sample_caps,
     state_rejection_reason,
 )
 from trahiv.engine import fixes
+from trahiv.engine.allreduce import run_robust_allreduce_
 from trahiv.engine.fixes import EPOCH_KEY_BITS
+from trahiv.engine.traffic import Traffic, TrafficCountingRunner
 
 fixes.apply()  # the engine's fixes hold wherever its averagers run
 logger = logging.getLogger("trahiv.averaging")
@@ -65,269 +63,17 @@ MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, befor
 __all__ = [
     "CheckedStateDownload",
     "EpochKeyedMatchmaking",
-    "NoUsablePartError",
     "PartialRoundRunner",
     "ReportingAverager",
     "ReportingGradientAverager",
     "ReportingMixin",
     "ReportingStateAverager",
-    "RobustAllReduceRunner",
     "RobustAverager",
     "RobustGradientAverager",
     "RobustPowerSGDGradientAverager",
-    "RobustTensorPartReducer",
     "RobustTrainingStateAverager",
     "epoch_group_bits",
-    "run_robust_allreduce_",
 ]
-
-
-class NoUsablePartError(AllreduceException):
-    """Every copy of a part was excluded: its senders keep their local values for it."""
-
-
-# --- aggregation of one part ----------------------------------------------------------------------------------------
-
-
-class RobustTensorPartReducer(TensorPartReducer):
-    """hivemind's reducer, but it buffers every sender's copy of the current part, excludes unusable copies and
-    aggregates with `aggregation` once all expected copies arrived. `sender_names` (peer IDs) are used in logs."""
-
-    current_part_index: int
-    current_part_accumulated_from: int
-    num_current_senders: int
-    current_part_future: asyncio.Future
-
-    def __init__(
-        self,
-        part_shapes: Sequence[torch.Size],
-        num_senders: int,
-        *,
-        aggregation: Aggregation = MEAN,
-        sender_names: Sequence[str] | None = None,
-        weight_caps: Sequence[float] | None = None,
-    ):
-        self.aggregation = aggregation
-        self.sender_names = list(sender_names) if sender_names is not None else [str(i) for i in range(num_senders)]
-        self.weight_caps = list(weight_caps) if weight_caps is not None else [math.inf] * num_senders
-        self.clamped_senders: set[int] = set()
-        self.received: list[tuple[torch.Tensor, float]] = []  # usable copies of the current part
-        self.excluded_senders: dict[int, str] = {}  # sender index -> why its copies were excluded (this round)
-        super().__init__(part_shapes, num_senders)
-
-    def reset_accumulators(self) -> None:
-        """Move on to the next part (hivemind's, without allocating a sum: copies are buffered in self.received)."""
-        assert self.current_part_accumulated_from == self.num_current_senders or self.current_part_index == -1
-        self.received = []
-        if self.current_part_index >= self.num_parts - 1:
-            self.finalize()
-            return
-        self.current_part_index += 1
-        self.current_part_accumulated_from = 0
-        self.current_part_future = asyncio.Future()
-        self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
-        self.accumulator = None
-
-    async def accumulate_part(
-        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        """Buffer this copy of the part, wait for all other copies, then return the aggregate."""
-        assert 0 <= sender_index < self.num_senders, "invalid sender index"
-        assert 0 <= part_index < self.num_parts, "invalid part index"
-        self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:  # wait for previous parts to finish processing
-            await asyncio.wait(
-                {self.current_part_future, asyncio.create_task(self.finished.wait())},
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if self.finished.is_set():
-                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
-        if self.sender_failed_after[sender_index] != float("inf"):
-            raise BannedException(f"sender {sender_index} was banned in background")
-        assert part_index == self.current_part_index
-        current_part_future = self.current_part_future
-        if part_index < self.sender_failed_after[sender_index]:
-            self._receive(sender_index, tensor_part, weight)
-            self.current_part_accumulated_from += 1
-            self.check_current_part_finished()
-        return await current_part_future
-
-    def _receive(self, sender_index: int, part: torch.Tensor, weight: float) -> None:
-        reason = rejection_reason(part, weight, self.part_shapes[self.current_part_index])
-        cap = self.weight_caps[sender_index]
-        if reason is None and weight > cap:
-            if sender_index not in self.clamped_senders:
-                self.clamped_senders.add(sender_index)
-                logger.warning(
-                    f"Clamping the weight of peer {self.sender_names[sender_index]} from {weight:g} to {cap:g}: "
-                    "more than the samples it reported"
-                )
-            weight = cap
-        if reason is None:
-            self.received.append((part, float(weight)))
-        elif sender_index not in self.excluded_senders:
-            self.excluded_senders[sender_index] = reason
-            logger.warning(
-                f"Excluding peer {self.sender_names[sender_index]} from this averaging round: it sent {reason} "
-                f"(part {self.current_part_index})"
-            )
-
-    def check_current_part_finished(self) -> None:
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from == self.num_current_senders:
-            self._resolve_current_part()
-            self.reset_accumulators()
-
-    def _resolve_current_part(self) -> None:
-        usable = [(part, weight) for part, weight in self.received if weight > 0]
-        if usable:
-            parts, weights = [part for part, _ in usable], [weight for _, weight in usable]
-            self.current_part_future.set_result(aggregate(parts, weights, self.aggregation))
-        elif self.current_part_accumulated_from == 0:  # nobody waits for it (every sender failed)
-            self.current_part_future.set_result(torch.zeros(self.part_shapes[self.current_part_index]))
-        else:
-            self.current_part_future.set_exception(
-                NoUsablePartError(f"no usable copy of part {self.current_part_index}: senders keep their own values")
-            )
-
-
-def _retire(reducer: TensorPartReducer) -> None:
-    """Retire a reducer that was never used (it must not warn about parts it never received)."""
-    reducer.current_part_future.cancel()
-    reducer.finished.set()
-
-
-# --- the all-reduce runner and the averagers --------------------------------------------------------------------------
-
-
-class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce runner with a RobustTensorPartReducer for the part this peer reduces."""
-
-    def __init__(
-        self, *, aggregation: Aggregation = MEAN, weight_caps: dict[PeerID, float] | None = None, **kwargs: Any
-    ):
-        super().__init__(**kwargs)
-        _retire(self.tensor_part_reducer)
-        caps = weight_caps or {}
-        self.tensor_part_reducer: TensorPartReducer = RobustTensorPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging),
-            len(self.sender_peer_ids),
-            aggregation=aggregation,
-            sender_names=[peer.to_base58() for peer in self.sender_peer_ids],
-            weight_caps=[caps.get(peer, math.inf) for peer in self.sender_peer_ids],
-        )
-
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
-        if peer_id != self.peer_id:
-            return await self._exchange_with_reducer(peer_id)
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            try:
-                averaged_part = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, tensor_part, weight=self.weight
-                )
-                delta = averaged_part - tensor_part
-            except NoUsablePartError:
-                delta = torch.zeros_like(tensor_part)  # keep the local values of a part nobody could aggregate
-            self.tensor_part_container.register_processed_part(peer_index, part_index, delta)
-
-    async def _exchange_with_reducer(self, peer_id: Any) -> None:
-        """Send our copy of the part `peer_id` reduces, receive the aggregate; then close the stream ourselves.
-
-        hivemind 1.1.12 reads until the reducer closes the stream. But when a reducer's handler returns, the stream
-        is reset (p2pd logs "stream reset" some 50 ms later), and on a busy CPU the parts still in flight were lost:
-        this peer got only k of n parts, without an error, and the round was partial (2 rounds in 400 between two
-        processes beside 3 busy ones, benchmarks/stream_end.py; 0 in 400 with this). Here the
-        receiving side, which knows how many parts to expect, closes the stream once it has them all; the reducer
-        (`rpc_aggregate_part` below) waits for that.
-        """
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-        received = 0
-
-        def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
-            if message.code != averaging_pb2.AVERAGED_PART:
-                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-            return deserialize_torch_tensor(message.tensor_part)
-
-        try:
-            done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-            results = amap_in_executor(
-                deserialize,
-                aiter_with_timeout(stream, self.reducer_timeout),
-                max_prefetch=self.tensor_part_container.prefetch,
-            )
-            try:
-                async for delta in results:
-                    self.tensor_part_container.register_processed_part(peer_index, received, delta)
-                    received += 1
-                    if received == expected:
-                        break
-            finally:
-                await results.aclose()
-                await stream.aclose()  # closes our end: the reducer's handler ends when it sees it
-            if received != expected:
-                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
-        except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
-            self.tensor_part_container.register_failed_reducer(peer_index)
-            raise
-
-    async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        """hivemind's handler, then: wait for the sender to close the stream (it does once it has every part, see
-        `_exchange_with_reducer`) rather than return, which would let p2pd reset the stream under the sender's
-        unread parts. The wait is bounded (a sender that never closes costs it reducer_timeout, 10 s by default)."""
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
-        await asyncio.sleep(self.reducer_timeout or 10.0)  # cancelled as soon as the sender closes the stream
-
-
-async def run_robust_allreduce_(
-    averager: Any,
-    aggregation: Aggregation,
-    tensors: Sequence[torch.Tensor],
-    group_info: Any,
-    group_id: bytes | None = None,
-    runner_cls: type[RobustAllReduceRunner] | None = None,
-    **kwargs: Any,
-) -> None:
-    """hivemind's DecentralizedAverager._run_allreduce_inplace_ with a RobustAllReduceRunner (or `runner_cls`), and
-    the group's averaging modes (hivemind 1.1.12 reads them from the group, then does not pass them on: an auxiliary
-    peer then runs as a sender of zeros, weight 0, and receives the averaged values)."""
-    group_id = group_info.group_id if group_id is None else group_id
-    kwargs.setdefault("modes", group_modes(averager, group_info))
-    runner = (runner_cls or RobustAllReduceRunner)(
-        aggregation=aggregation,
-        p2p=averager._p2p,
-        servicer_type=type(averager),
-        prefix=averager.prefix,
-        tensors=tensors,
-        group_id=group_id,
-        ordered_peer_ids=group_info.peer_ids,
-        **kwargs,
-    )
-    assert group_id in averager._running_groups, f"group {group_id!r} was not registered"
-    averager._running_groups[group_id].set_result(runner)
-    if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
-        async for _ in runner:
-            raise ValueError("aux peers should not receive averaged tensors")
-        return
-    updates: AsyncIterator = azip(as_aiter(*tensors), runner)
-    async for tensor, update in updates:
-        tensor.add_(update, alpha=averager._averaging_alpha)
-        averager.last_updated = get_dht_time()
-        averager._state_updated.set()
-
-
-def group_modes(averager: Any, group_info: Any) -> tuple[AveragingMode, ...]:
-    """Each group member's averaging mode (node, client, auxiliary), from the data gathered at matchmaking."""
-    return tuple(AveragingMode(averager.serializer.loads(data)[1]) for data in group_info.gathered)
 
 
 def epoch_group_bits(epoch: int) -> str:
@@ -512,8 +258,9 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         return TrainingStateAverager._get_handle_name(namespace, method_name)
 
 
-class PartialRoundRunner(RobustAllReduceRunner):
-    """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index)."""
+class PartialRoundRunner(TrafficCountingRunner):
+    """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index) and counts
+    the bytes it exchanges (trahiv.engine.traffic)."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -578,12 +325,14 @@ class ReportingMixin:
     deadlines: Deadlines | None
     reports: list[RoundReport]
     round_counts: dict[str, int]
+    traffic: Traffic
     _report_queue: Any
 
     def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
         self.aggregation, self.deadlines = aggregation, deadlines
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
         self._report_queue = mp.get_context("fork").SimpleQueue()
+        self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
 
     def round_reports(self) -> list[RoundReport]:
         """Reports of rounds finished since the last call (in the process that created the averager)."""
@@ -610,6 +359,8 @@ class ReportingMixin:
             if kwargs.get("sender_timeout") is None:
                 kwargs["sender_timeout"], kwargs["reducer_timeout"] = chunk, 2 * chunk
             timeout = self.deadlines.round_timeout(payload, group_size)
+        if issubclass(self.runner_cls, TrafficCountingRunner):
+            kwargs.setdefault("traffic", self.traffic)
         started, error = time.perf_counter(), None
         try:
             run = super()._run_allreduce_inplace_(  # type: ignore[misc]

@@ -1,0 +1,145 @@
+"""A DiLoCo trainer peer for tests/test_diloco.py and benchmarks/diloco.py: `python tests/diloco_worker.py SPEC.json`.
+
+An unchanged Trainer script with `hivemind_config["diloco"]`. It writes into SPEC["out"]:
+- ready.json     once training begins: peer id, the step it starts from (a joiner: the swarm's)
+- records.jsonl  one line per outer step reached ("sync": outer step, global step, trainable values' checksum, the
+                 values themselves for the toy model, and a sha256 of every trainable tensor), and the Trainer's logs
+- done.json      at the end: global step, outer step, metrics (rounds, bytes), eval loss with SPEC["eval_blocks"]
+- final.pt       with SPEC["save_final"]: the final named parameters
+With SPEC["byzantine"] = {"attack": ..., "factor": x} the peer corrupts its pseudo-gradients before every all-reduce
+(the attacks of tests/peer_worker.py).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from peer_worker import build_model, corrupt_, eval_loss
+from transformers import TrainerCallback
+
+from trahiv import Trainer, TrainingArguments
+from trahiv.demo import BlockDataset
+from trahiv.diloco import DiLoCoAverager, DiLoCoOptimizer
+
+
+class SyncRecorder(TrainerCallback):
+    def __init__(self, trainer: Trainer, spec: dict, out: Path):
+        self.trainer, self.spec, self.out = trainer, spec, out
+        self.records = open(out / "records.jsonl", "a", buffering=1)
+        self.outer_step = -1
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        swarm = self.trainer.swarm
+        self._maybe_record(state)
+        ready = {"peer_id": swarm.peer_id, "pid": os.getpid(), "start_step": state.global_step}
+        (self.out / "ready.tmp").write_text(json.dumps(ready))
+        (self.out / "ready.tmp").rename(self.out / "ready.json")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.spec.get("sleep_per_step"):
+            time.sleep(self.spec["sleep_per_step"])
+        self._maybe_record(state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            self.records.write(json.dumps({"kind": "log", "step": state.global_step, **logs}) + "\n")
+
+    def _maybe_record(self, state) -> None:
+        diloco = self.trainer.swarm.diloco
+        if diloco.outer_step == self.outer_step:
+            return
+        self.outer_step = diloco.outer_step
+        named = [(n, p.detach()) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        line = {
+            "kind": "sync",
+            "outer_step": diloco.outer_step,
+            "global_step": state.global_step,
+            "checksum": sum(float(p.double().sum()) for _, p in named),
+            "sha256": {
+                n: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, p in named
+            },  # fmt: skip
+            "t": time.time(),
+        }
+        if self.spec.get("toy_grad") is not None:
+            line["values"] = named[0][1].tolist()
+        self.records.write(json.dumps(line) + "\n")
+
+
+def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
+    class ByzantineDiLoCoAverager(DiLoCoAverager):
+        async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
+            with torch.no_grad():
+                corrupt_(tensors, attack["attack"], attack.get("factor", 1.0))
+            await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+
+    return ByzantineDiLoCoAverager
+
+
+def main(spec_path: str) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck peer)
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    toy = spec.get("toy_grad") is not None
+    opt = {"run_id": spec["run_id"], "target_batch_size": 1, "matchmaking_time": spec.get("mm", 2.0),
+           "averaging_timeout": 30.0, **spec.get("opt", {})}  # fmt: skip
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False}
+    diloco = {"inner_steps": spec["inner_steps"], **spec.get("diloco", {})}
+    args = TrainingArguments(
+        output_dir=str(out / "output"),
+        per_device_train_batch_size=spec["batch_size"],
+        max_steps=spec["max_steps"],
+        learning_rate=spec.get("lr", 0.1 if toy else 3e-3),
+        optim=spec.get("optim", "sgd" if toy else "adamw_torch"),
+        lr_scheduler_type=spec.get("scheduler", "constant" if toy else "linear"),
+        warmup_steps=0 if toy else 2,
+        max_grad_norm=0.0 if toy else 1.0,
+        dataloader_drop_last=True,
+        weight_decay=0.0,
+        logging_steps=spec.get("logging_steps", 5),
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        save_strategy="no",
+        hivemind_config={"dht": dht, "opt": opt, "diloco": diloco},
+        seed=spec.get("seed", 42),
+    )
+    if spec.get("byzantine"):
+        DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
+    dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
+    model = build_model(spec)
+    begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.add_callback(SyncRecorder(trainer, spec, out))
+    result = trainer.train()
+    diloco_opt = trainer.swarm.diloco
+    done = {
+        "global_step": trainer.state.global_step,
+        "outer_step": diloco_opt.outer_step,
+        "train_loss": result.training_loss,
+        "metrics": diloco_opt.metrics(),
+        "syncs": diloco_opt.syncs,
+    }
+    if spec.get("eval_blocks"):
+        done["eval_loss_begin"] = begin_loss
+        done["eval_loss"] = eval_loss(trainer.model, dataset, spec["eval_blocks"])
+    if spec.get("save_final"):
+        torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, out / "final.pt")
+    (out / "done.json").write_text(json.dumps(done))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1]))
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,300 @@
+"""DiLoCo mode (trahiv.diloco): the outer step's math in one process, then real peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from swarm_helpers import ENV, TESTS, Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
+
+from trahiv.config import HivemindConfig
+from trahiv.diloco import PeerProgress, outer_sgd_step_, since_first_seen, sync_deadline
+
+
+def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(out), **spec}
+    (out / "spec.json").write_text(json.dumps(spec))
+    log = open(out / "log.txt", "w")
+    command = [sys.executable, str(TESTS / "diloco_worker.py"), str(out / "spec.json")]
+    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    return Peer(name, out, process, spec)
+
+
+def syncs(peer: Peer) -> dict[int, dict]:
+    return {r["outer_step"]: r for r in peer.records("sync")}
+
+
+# --- one process ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_is_torch_sgd(nesterov):
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(7)]
+    ours = [t.clone() for t in start]
+    momenta = [torch.zeros_like(t) for t in start]
+    reference = [t.clone().requires_grad_(True) for t in start]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for _ in range(4):
+        grads = [torch.randn_like(t) for t in start]
+        outer_sgd_step_(ours, grads, momenta, lr=0.7, momentum=0.9, nesterov=nesterov)
+        for param, grad in zip(reference, grads, strict=True):
+            param.grad = grad.clone()
+        sgd.step()
+    for mine, theirs in zip(ours, reference, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_step_formula_with_constant_pseudo_gradient():
+    g, lr, mu = 0.6, 0.7, 0.9
+    param, momentum = [torch.zeros(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)]
+    expected, m = 0.0, 0.0
+    for _ in range(3):
+        outer_sgd_step_(param, [torch.full((2,), g, dtype=torch.float64)], momentum, lr, mu, nesterov=True)
+        m = mu * m + g
+        expected -= lr * (g + mu * m)
+    assert param[0].tolist() == pytest.approx([expected] * 2, abs=1e-12)
+    assert expected == pytest.approx(-0.7 * (1.9 * 0.6 + (0.6 + 0.9 * 1.14) + (0.6 + 0.9 * (0.9 * 1.14 + 0.6))))
+
+
+def record(**kw: Any) -> PeerProgress:
+    base = {"peer": "p", "outer_step": 0, "inner_done": 0, "inner_steps": 10, "samples_accumulated": 0,
+            "steps_per_second": 2.0, "time": 100.0, "started": 0.0}  # fmt: skip
+    return PeerProgress(**{**base, **kw})
+
+
+def test_sync_deadline_follows_reported_speed_within_bounds():
+    slow = record(inner_done=6, steps_per_second=2.0, time=100.0)  # 4 steps left at 2 steps/s: 2 s (x2 = 4 s)
+    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=600) == pytest.approx(106.0)
+    assert sync_deadline([slow], started=100.0, floor=2.0, max_wait=4.0) == pytest.approx(104.0)
+    assert sync_deadline([], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
+    dead = record(inner_done=6, time=50.0)  # its last record is 50 s old: it does not hold the others
+    assert sync_deadline([dead], started=100.0, floor=2.0, max_wait=600) == pytest.approx(102.0)
+
+
+def test_a_stuck_peer_does_not_push_the_deadline():
+    first_seen: dict = {}
+    stuck = [since_first_seen(record(inner_done=6, time=t), first_seen) for t in (100.0, 110.0, 120.0)]
+    assert [r.time for r in stuck] == [100.0, 100.0, 100.0]  # the same progress, re-published: dated when first seen
+    moving = since_first_seen(record(inner_done=7, time=130.0), first_seen)
+    assert moving.time == 130.0
+
+
+def test_progress_records_are_validated():
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N").to_bytes()
+    good = {"peer_id": peer, "outer_step": 3, "inner_done": 1, "inner_steps": 5, "samples_accumulated": 4,
+            "steps_per_second": 1.0, "time": 1.0, "started": 0.0}  # fmt: skip
+    assert PeerProgress.parse(good) is not None
+    for bad in ({"outer_step": -1}, {"inner_steps": 0}, {"time": float("nan")}, {"peer_id": "x"}, {"inner_done": 1.5}):
+        assert PeerProgress.parse({**good, **bad}) is None, bad
+    assert PeerProgress.parse({k: v for k, v in good.items() if k != "started"}) is None
+
+
+def test_config_rejects_unknown_keys_and_clashes():
+    base = {"opt": {"run_id": "r", "target_batch_size": 4}}
+    assert HivemindConfig.load({**base, "diloco": {"inner_steps": 7}}).diloco.inner_steps == 7  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="did you mean 'inner_steps'"):
+        HivemindConfig.load({**base, "diloco": {"inner_step": 7}})
+    with pytest.raises(ValueError, match="compression"):
+        HivemindConfig.load({**base, "diloco": {"compression": "int4"}})
+    with pytest.raises(ValueError, match="use_local_updates"):
+        HivemindConfig.load({"opt": {**base["opt"], "use_local_updates": True}, "diloco": {}})
+
+
+# --- real peers -------------------------------------------------------------------------------------------------------
+
+
+def expected_toy_values(pseudo_gradient: float, rounds: int, lr=0.7, mu=0.9) -> list[float]:
+    w, m, values = 0.0, 0.0, []
+    for _ in range(rounds):
+        m = mu * m + pseudo_gradient
+        w -= lr * (pseudo_gradient + mu * m)
+        values.append(w)
+    return values
+
+
+def test_exact_outer_steps_between_two_peers(tmp_path, workdir):
+    """Toy model: every inner SGD step moves w by -lr_inner x c, so after H steps peer i's pseudo-gradient is
+    H x lr_inner x c_i; equal samples: the average is H x 0.1 x (1 + 3) / 2 = 0.6; w follows the Nesterov formula."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_toy", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 3, "max_steps": 9, "lr": 0.1, "opt": {"min_peers": 2},
+              "diloco": {"compression": "none"}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, **common),
+             start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    expected = expected_toy_values(3 * 0.1 * 2.0, 3)
+    for peer, done in zip(peers, dones, strict=True):
+        assert done["outer_step"] == 3 and done["global_step"] == 9, done
+        assert done["syncs"]["averaged"] == 3, done
+        got = [syncs(peer)[s]["values"] for s in (1, 2, 3)]
+        for values, want in zip(got, expected, strict=True):
+            assert values == pytest.approx([want] * 4, abs=1e-5), (peer.name, got, expected)
+        metrics = done["metrics"]
+        assert metrics["averaging_rounds_complete"] == 3, metrics
+        assert metrics["averaging_bytes_sent"] > 0 and metrics["averaging_bytes_received"] > 0, metrics
+
+
+def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir):
+    """Two GPT-2 peers train; a third joins mid-run, downloads the outer state and contributes from the next sync.
+    After every sync all peers hold the same trainable weights (compression 'none')."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_gpt2", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 32, "sleep_per_step": 0.1, "diloco": {"compression": "none"}}  # fmt: skip
+    a = start_diloco_peer(tmp_path, "a", opt={"min_peers": 2}, **common)
+    b = start_diloco_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
+    peers = [a, b]
+    try:
+        a.ready(), b.ready()  # c starts once they train (its start-up takes seconds: it joins a few syncs later)
+        c = start_diloco_peer(tmp_path, "c", **common)
+        peers.append(c)
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    joined_at = json.loads((c.out / "ready.json").read_text())["start_step"]
+    assert joined_at >= 1, joined_at  # the joiner started from the swarm's step, not from 0
+    for done in dones:
+        assert done["global_step"] == 32 and done["outer_step"] == 8, done
+        assert done["metrics"]["averaging_rounds_partial"] == 0 == done["metrics"]["averaging_rounds_failed"], done
+    records = [syncs(peer) for peer in peers]
+    assert all(record[s]["sha256"] == records[1][s]["sha256"] for s in range(1, 9) for record in records[:2])
+    c_steps = sorted(s for s in records[2] if s > 0)
+    assert c_steps and c_steps[-1] == 8 and len(c_steps) >= 2, c_steps
+    for s in c_steps:  # the joiner's weights after its download and after every sync it took part in
+        assert records[2][s]["sha256"] == records[0][s]["sha256"], s
+    assert dones[2]["syncs"]["averaged"] >= 1, dones[2]
+    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "failed": 0, "missed": 0}, dones[0]
+
+
+def test_lora_only_adapters_travel(tmp_path, workdir):
+    """With PEFT only the adapters are outer parameters: the base weights never change, the adapters are identical
+    after the syncs, and the bytes each peer sent are those of the adapters' pseudo-gradients (fp16)."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_lora", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 3, "max_steps": 9, "lr": 1e-2, "lora": True, "save_final": True,
+              "opt": {"min_peers": 2}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b")]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    final_a, final_b = (torch.load(peer.out / "final.pt") for peer in peers)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()
+    adapters = [name for name in final_a if "lora_" in name]
+    assert len(adapters) == 4
+    for name, value in final_a.items():
+        if "lora_" in name:
+            assert torch.equal(value, final_b[name]), f"{name} differs between peers"
+        else:
+            base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(value, initial[base_name]) and torch.equal(final_b[name], initial[base_name]), name
+    assert all(final_a[name].abs().sum() > 0 for name in adapters if "lora_B" in name), "adapters did not train"
+    adapter_values = sum(final_a[name].numel() for name in adapters)
+    model_values = sum(t.numel() for t in initial.values())
+    for done in dones:
+        metrics = done["metrics"]
+        assert metrics["averaging_rounds_complete"] == 3, metrics
+        # butterfly all-reduce of S bytes (fp16: 2 per value) in a group of N: each peer sends 2 (N - 1) / N x S
+        expected = 2 * (2 - 1) / 2 * adapter_values * 2
+        per_round = metrics["averaging_bytes_sent"] / 3
+        assert expected <= per_round <= 1.1 * expected + 1000, (per_round, expected)  # + message headers
+        assert per_round < model_values / 10  # a tenth of the model's fp16 all-reduce: no base weight travels
+
+
+def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
+    """Three peers; one is killed (its whole process tree, as a crash) right after a sync. The other two wait for it
+    at most until its record expires or its reported speed says it should have arrived, then average without it:
+    their next sync comes seconds later, not after `max_sync_wait` (600 s) or the engine's averaging timeout."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_kill", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1, "opt": {"min_peers": 3}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b", "c")]
+    a, b, c = peers
+    try:
+        wait_for(lambda: c._check_alive() and max(syncs(c), default=0) >= 2, 120, "peer c's second sync")
+        for pid in reversed(process_tree(c.process.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        dones = [peer.finish(timeout=150) for peer in (a, b)]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for done in dones:
+        assert done["global_step"] == 24 and done["outer_step"] == 6, done
+    records = [syncs(peer) for peer in (a, b)]
+    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 7))
+    after = sorted(r["t"] for r in records[0].values() if r["t"] > killed_at)
+    assert after, "no sync after the kill"
+    # the first sync after the kill: 4 inner steps (~0.5 s) + waiting for the dead peer + matchmaking (2 s)
+    assert after[0] - killed_at < 30, after[0] - killed_at
+
+
+def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
+    """Three peers, one sends its pseudo-gradients x1000 at every sync. With CenteredClip the two honest peers still
+    learn (with the plain mean one sync would move the weights ~300x an honest outer step), and stay identical."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_byz", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 16, "eval_blocks": 8,
+              "opt": {"min_peers": 3, "aggregation": {"name": "centered_clip", "tau": 1.0}}}  # fmt: skip
+    evil = {"attack": "scale", "factor": 1000.0}
+    peers = [start_diloco_peer(tmp_path, "a", **common), start_diloco_peer(tmp_path, "b", **common),
+             start_diloco_peer(tmp_path, "evil", byzantine=evil, **common)]  # fmt: skip
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers[:2]]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for done in dones:
+        assert done["outer_step"] == 4 and done["syncs"]["averaged"] == 4, done
+        assert math.isfinite(done["eval_loss"]) and done["eval_loss"] < done["eval_loss_begin"], done
+    records = [syncs(peer) for peer in peers[:2]]
+    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 5))
+
+
+def test_synchronous_mode_logs_averaging_bytes(tmp_path, workdir):
+    """The synchronous mode logs averaging_bytes_sent / _received too (gradient and parameter rounds)."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "sync_bytes", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "target": 4, "max_steps": 3, "toy_grad": 1.0, "sleep_per_step": 0.2,
+              "opt": {"min_peers": 2, "average_state_every": 1}}  # fmt: skip
+    peers = [start_peer(tmp_path, name, **common) for name in ("a", "b")]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    for peer, done in zip(peers, dones, strict=True):
+        logs = [ast.literal_eval(line) for line in peer.log().splitlines() if "'averaging_bytes_sent'" in line]
+        assert logs, peer.log()[-2000:]
+        last = logs[-1]
+        assert done["averaging_rounds"]["complete"] >= 1, done
+        assert int(last["averaging_bytes_sent"]) > 0 and int(last["averaging_bytes_received"]) > 0, last

@@ -1,0 +1,545 @@
+"""DiLoCo mode: peers train alone for `inner_steps` (H) and average only their pseudo-gradients, once per H steps.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105): every peer runs the Trainer's own optimizer and LR schedule for H
+steps; then the peers all-reduce their pseudo-gradients (outer parameters minus local parameters), sample-weighted, and
+apply one outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9) to the outer parameters, which every peer then
+copies into its model. Communication drops H-fold against averaging gradients at every step.
+
+How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig):
+
+- the outer parameters, their momentum and the pseudo-gradient buffers live in fp32 on the CPU; with PEFT only the
+  trainable (adapter) tensors are there, so only they travel;
+- the all-reduce is trahiv's (`DiLoCoAverager`): NaN exclusion, weights capped at the samples each peer reported,
+  CenteredClip if configured, payload-based deadlines and a report for every round (partial rounds are logged and
+  counted, never silent), the auth gate in moderated swarms, and every byte counted (`averaging_bytes_*`);
+- each peer publishes its progress (outer step, inner steps done, steps/s) to the DHT every PUBLISH_PERIOD seconds. A
+  peer that reaches H waits for the others at its outer step until the time their progress says they need
+  (x ETA_SLACK, + a floor, bounded by `max_sync_wait`), then averages with those present: a slow or dead peer costs
+  the others at most that wait; a peer killed during the all-reduce costs them the round's chunk deadline (seconds);
+- the outer step is in each peer's group key: peers at different outer steps never average together;
+- a peer that finds the swarm at a later outer step (it missed a sync: too slow, or its round failed while the others
+  moved on) drops its pseudo-gradient (its H steps of work are lost: it was computed against outer parameters the
+  swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
+  swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
+  of the samples it trained (fewer than the others' in its first round);
+- when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker).
+
+`state.global_step` counts inner steps in the swarm's timeline: outer_step x H + inner steps done this round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from transformers.trainer_callback import DefaultFlowCallback
+
+from trahiv.auth import AuthGate
+from trahiv.averaging import Aggregation
+from trahiv.compression import make_compression
+from trahiv.config import HivemindConfig
+from trahiv.engine.diloco import DiLoCoAverager
+from trahiv.engine.gate import gated
+from trahiv.engine.traffic import total_traffic
+
+logger = logging.getLogger("trahiv.diloco")
+
+__all__ = [
+    "DiLoCoAverager",
+    "DiLoCoFlowCallback",
+    "DiLoCoOptimizer",
+    "PeerProgress",
+    "outer_sgd_step_",
+    "since_first_seen",
+    "sync_deadline",
+]
+
+PUBLISH_PERIOD = 2.0  # seconds between two progress records of a peer
+RECORD_TTL = 5 * PUBLISH_PERIOD  # a peer that stops publishing (dead) is forgotten after this many seconds
+ETA_SLACK = 2.0  # a sync waits for a slower peer up to 2x the time its reported speed needs to reach H
+MIN_WAIT = 5.0  # seconds added to every wait (busy CPUs: a step can take a few times the average)
+UNKNOWN_RATE_WAIT = 60.0  # seconds a sync waits for a peer that has not measured its speed yet
+POLL_PERIOD = 0.2  # seconds between two reads of the peers' progress while waiting
+
+
+# --- the outer step ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def outer_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """In place: m <- mu m + g; p <- p - lr (g + mu m) with Nesterov, p <- p - lr m without (torch.optim.SGD's rule
+    with dampening 0; the momentum starts at 0, so the first step's m is g, as in torch)."""
+    for param, grad, buffer in zip(params, grads, momenta, strict=True):
+        buffer.mul_(momentum).add_(grad)
+        param.sub_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=lr)
+
+
+# --- the peers' progress ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One peer's DiLoCo progress record (DHT key `{run_id}_diloco_progress`, subkey: the peer's ID). The field names
+    `peer_id`, `samples_accumulated`, `samples_per_second`, `time` are those trahiv's weight caps read."""
+
+    peer: str
+    outer_step: int
+    inner_done: int
+    inner_steps: int
+    samples_accumulated: int
+    steps_per_second: float
+    time: float
+    started: float
+
+    @classmethod
+    def parse(cls, value: Any) -> PeerProgress | None:
+        if not isinstance(value, dict) or not isinstance(value.get("peer_id"), bytes):
+            return None
+        try:
+            peer = PeerID(value["peer_id"]).to_base58()
+            ints = [value[k] for k in ("outer_step", "inner_done", "inner_steps", "samples_accumulated")]
+            floats = [value[k] for k in ("steps_per_second", "time", "started")]
+        except Exception:
+            return None
+        if not all(type(x) is int and 0 <= x < 2**62 for x in ints):
+            return None
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in floats):
+            return None
+        if ints[2] < 1 or floats[0] < 0:
+            return None
+        return cls(peer, *ints, *(float(x) for x in floats))  # type: ignore[arg-type]
+
+    def eta(self) -> float:
+        """DHT time by which this peer should reach its sync point, from its reported speed (x ETA_SLACK)."""
+        remaining = max(self.inner_steps - self.inner_done, 0)
+        if remaining == 0:
+            return self.time
+        if self.steps_per_second <= 0:
+            return self.time + UNKNOWN_RATE_WAIT
+        return self.time + ETA_SLACK * remaining / self.steps_per_second
+
+
+def since_first_seen(record: PeerProgress, first_seen: dict[tuple[str, int, int], float]) -> PeerProgress:
+    """The record, dated from when its progress was first seen: a peer that keeps publishing the same inner step (alive
+    but stuck) must not push the deadline further with every record."""
+    key = (record.peer, record.outer_step, record.inner_done)
+    return dataclasses.replace(record, time=first_seen.setdefault(key, record.time))
+
+
+def sync_deadline(pending: Sequence[PeerProgress], started: float, floor: float, max_wait: float) -> float:
+    """Until when (DHT time) a peer that reached its sync point at `started` waits for the `pending` peers (those at
+    its outer step that have not reached theirs): the latest of their ETAs + floor, at least `floor` after `started`,
+    at most `max_wait` after it."""
+    latest = max((record.eta() + floor for record in pending), default=started)
+    return min(started + max_wait, max(started + floor, latest))
+
+
+# --- the averager ---------------------------------------------------------------------------------------------------
+
+
+# --- the optimizer the Trainer uses ---------------------------------------------------------------------------------
+
+
+class DiLoCoOptimizer(torch.optim.Optimizer):
+    """The Trainer's optimizer (`inner`), run locally; every `inner_steps` calls of `step()` it syncs with the swarm.
+    Its `param_groups` and `state` are the inner optimizer's (the Trainer's LR scheduler drives the inner LR)."""
+
+    averager_cls: type[DiLoCoAverager] = DiLoCoAverager  # tests swap in a faulty one
+
+    def __init__(
+        self,
+        swarm: Any,
+        param_groups: list[dict[str, Any]],
+        optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        batch_size_per_step: int,
+    ):
+        config: HivemindConfig = swarm.config
+        assert config.diloco is not None
+        self.swarm, self.config, self.cfg = swarm, config, config.diloco
+        self.inner = optimizer_factory(param_groups)
+        super().__init__([p for g in self.inner.param_groups for p in g["params"]], {})
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state  # the same objects
+        self.params = [p for group in self.inner.param_groups for p in group["params"]]
+        self.batch_size_per_step = batch_size_per_step
+        with torch.no_grad():
+            self.outer_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+            self.momenta = [torch.zeros_like(p) for p in self.outer_params]
+            grads = [torch.zeros_like(p) for p in self.outer_params]
+        self.outer_step = self.inner_done = self.samples = self.samples_total = 0
+        self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
+        self.steps_per_second = 0.0
+        self.started = get_dht_time()
+        self.peers: dict[str, PeerProgress] = {}  # other peers' latest records
+        self._lock = threading.Lock()  # outer state: the averager's state server reads it from another thread
+        self._last_step_at: float | None = None
+        self.progress_key = f"{self.run_id}_diloco_progress"
+        self.averager = self._make_averager(grads)
+        self.averager.state_source = self
+        self._publish()  # at once: peers about to sync must know this one is here
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_periodically, name="trahiv-diloco", daemon=True)
+        self._publisher.start()
+        swarm.diloco = self
+
+    @property
+    def run_id(self) -> str:
+        return self.config.opt.run_id
+
+    @property
+    def global_step(self) -> int:
+        """Inner steps in the swarm's timeline (what `state.global_step` and `max_steps` count)."""
+        return self.outer_step * self.cfg.inner_steps + self.inner_done
+
+    def _make_averager(self, grads: list[torch.Tensor]) -> DiLoCoAverager:
+        from trahiv.swarm import request_timeout  # the swarm's own rule for matchmaking requests
+
+        opt, swarm = self.config.opt, self.swarm
+        gate = AuthGate(self.run_id, swarm.auth.experiment_public_key) if swarm.auth is not None else None
+        cls = gated(self.averager_cls, gate)
+        return cls(
+            averaged_tensors=grads,
+            dht=swarm.dht,
+            prefix=f"{self.run_id}_diloco",
+            progress_key=self.progress_key,
+            aggregation=Aggregation(**opt.aggregation.model_dump()),
+            compression=make_compression(self.cfg.compression),
+            state_compression=make_compression(opt.load_state_compression),
+            min_matchmaking_time=opt.matchmaking_time,
+            request_timeout=request_timeout(opt),
+            allreduce_timeout=opt.allreduce_timeout,
+            next_chunk_timeout=opt.next_chunk_timeout,
+            shutdown_timeout=opt.shutdown_timeout,
+            client_mode=swarm.dht.client_mode,
+            initial_group_bits=group_bits(0),
+            start=True,
+        )
+
+    # --- the inner loop ----------------------------------------------------------------------------------------
+
+    def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
+        loss = self.inner.step(closure)
+        now = time.monotonic()
+        if self._last_step_at is not None:  # steps/s of inner steps only (a sync's wait does not count)
+            rate = 1.0 / max(now - self._last_step_at, 1e-6)
+            self.steps_per_second = rate if self.steps_per_second == 0 else 0.8 * self.steps_per_second + 0.2 * rate
+        self.inner_done += 1
+        self.samples += self.batch_size_per_step
+        self.samples_total += self.batch_size_per_step
+        if self.inner_done >= self.cfg.inner_steps:
+            self.sync()
+            now = time.monotonic()
+        self._last_step_at = now
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    # --- the sync --------------------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Average pseudo-gradients with the peers at this outer step, take the outer step, copy it to the model."""
+        self._publish(wait=True)  # this peer is at its sync point: the others stop waiting for it
+        behind = self._wait_for_peers()
+        if not behind:
+            self._fill_pseudo_gradients()
+            outcome = self._average()
+            behind = outcome == "failed" and self._swarm_is_ahead()
+        if behind:
+            logger.warning(
+                f"The swarm moved past outer step {self.outer_step} without this peer: dropping its pseudo-gradient "
+                f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
+            )
+            self.syncs["missed"] += 1
+            if self._adopt_swarm_state():
+                self._publish()
+                return
+            logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
+            self._fill_pseudo_gradients()
+        self._apply_outer_step()
+        self._publish()
+
+    def _fill_pseudo_gradients(self) -> None:
+        """pseudo-gradient = outer parameters - local parameters (fp32, CPU), into the averaged buffers."""
+        with torch.no_grad(), self.averager.get_tensors() as grads:
+            for grad, outer, param in zip(grads, self.outer_params, self.params, strict=True):
+                grad.copy_(outer).sub_(param.detach().to("cpu", torch.float32))
+
+    def _others(self) -> dict[str, PeerProgress]:
+        """The other peers' fresh progress records (also kept in `self.peers`)."""
+        found = self.swarm.dht.get(self.progress_key, latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        records = [PeerProgress.parse(getattr(entry, "value", None)) for entry in entries.values()]
+        own = self.swarm.peer_id
+        self.peers = {r.peer: r for r in records if r is not None and r.peer != own}
+        return self.peers
+
+    def _swarm_is_ahead(self) -> bool:
+        return any(record.outer_step > self.outer_step for record in self._others().values())
+
+    def _wait_for_peers(self) -> bool:
+        """Wait for the peers at this outer step until `sync_deadline`; True if the swarm is already past it."""
+        # the floor also covers the age of a record when first seen (it is published every PUBLISH_PERIOD)
+        started, floor = get_dht_time(), max(MIN_WAIT, self.config.opt.matchmaking_time) + PUBLISH_PERIOD
+        first_seen: dict[tuple[str, int, int], float] = {}
+        while True:
+            others = self._others()
+            if any(record.outer_step > self.outer_step for record in others.values()):
+                return True
+            pending = [
+                since_first_seen(r, first_seen)
+                for r in others.values()
+                if r.outer_step == self.outer_step and r.inner_done < r.inner_steps
+            ]
+            if not pending:
+                return False
+            if get_dht_time() >= sync_deadline(pending, started, floor, self.cfg.max_sync_wait):
+                late = ", ".join(f"{r.peer} ({r.inner_done}/{r.inner_steps})" for r in pending)
+                logger.warning(f"Outer step {self.outer_step}: going on without the peers still training: {late}")
+                return False
+            time.sleep(POLL_PERIOD)
+
+    def _average(self) -> str:
+        """All-reduce the pseudo-gradients with the peers at this outer step: 'averaged', 'alone' or 'failed'."""
+        ready = [r for r in self.peers.values() if r.outer_step == self.outer_step and r.inner_done >= r.inner_steps]
+        if not ready:
+            self.syncs["alone"] += 1
+            return "alone"
+        self.averager.set_group_bits(group_bits(self.outer_step))
+        opt = self.config.opt
+        # the peers that are ready look for a group within a poll period of each other: a few matchmaking windows
+        # bound the search (a peer killed at its sync point costs that); the all-reduce has its own deadlines
+        search = min(opt.averaging_timeout, 3 * opt.matchmaking_time)
+        try:
+            self.averager.step(weight=float(max(self.samples, 1)), timeout=search)
+        except Exception as e:  # the round's report (if it started) says more; values kept local where not averaged
+            logger.warning(f"Outer step {self.outer_step}: averaging pseudo-gradients failed ({e!r})")
+            self.syncs["failed"] += 1
+            return "failed"
+        finally:
+            self.averager.round_reports()
+        self.syncs["averaged"] += 1
+        return "averaged"
+
+    def _apply_outer_step(self) -> None:
+        cfg = self.cfg
+        with torch.no_grad(), self._lock, self.averager.get_tensors() as grads:
+            outer_sgd_step_(self.outer_params, grads, self.momenta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+            self.outer_step += 1
+            self.inner_done = self.samples = 0
+            self._copy_outer_to_model()
+        self.averager.state_sharing_priority = float(self.outer_step)
+
+    def _copy_outer_to_model(self) -> None:
+        with torch.no_grad():
+            for param, outer in zip(self.params, self.outer_params, strict=True):
+                param.copy_(outer)
+
+    def outer_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        with self._lock:
+            tensors = [t.clone() for t in (*self.outer_params, *self.momenta)]
+            return {"epoch": self.outer_step, "inner_steps": self.cfg.inner_steps}, tensors, None
+
+    # --- joining -------------------------------------------------------------------------------------------------
+
+    def join(self) -> bool:
+        """Before training: adopt the swarm's outer state unless this peer is the one others should start from (the
+        earliest-started peer at the highest outer step). Return True if a state was downloaded."""
+        others = self._others()
+        if not others:
+            return False
+        me = PeerProgress(self.swarm.peer_id, self.outer_step, 0, self.cfg.inner_steps, 0, 0.0, 0.0, self.started)
+        leader = min([me, *others.values()], key=lambda r: (-r.outer_step, r.started, r.peer))
+        if leader.peer == me.peer:
+            return False
+        logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
+        if self._adopt_swarm_state(prefer=leader.peer):
+            return True
+        logger.warning("Could not download the swarm's outer state: starting from this peer's own parameters")
+        return False
+
+    def wait_for_records(self, peers: int, timeout: float) -> int:
+        """Wait until `peers` other peers published DiLoCo progress (those that announced their model are about to):
+        a peer that syncs before they did would take its first outer step alone. Return how many did."""
+        deadline = time.monotonic() + timeout
+        while len(self._others()) < peers and time.monotonic() < deadline:
+            time.sleep(POLL_PERIOD)
+        return len(self.peers)
+
+    def _adopt_swarm_state(self, prefer: str | None = None) -> bool:
+        """Download outer parameters, momentum and step; start from the swarm's inner step at that outer step."""
+        timeout = self.config.opt.load_state_timeout
+        loaded = self.averager.load_state_from(prefer, timeout) if prefer is not None else None
+        if loaded is None:
+            loaded = self.averager.load_state_from_peers(timeout=timeout)
+        if loaded is None:
+            return False
+        metadata, tensors = loaded
+        count = len(self.outer_params)
+        with torch.no_grad(), self._lock:
+            for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
+                target.copy_(source)
+            self.outer_step = int(metadata["epoch"])
+            same = [r.inner_done for r in self._others().values() if r.outer_step == self.outer_step]
+            self.inner_done = min(max(same, default=0), self.cfg.inner_steps - 1)
+            self.samples = 0
+            self._copy_outer_to_model()
+        self.averager.state_sharing_priority = float(self.outer_step)
+        logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
+        return True
+
+    def resume_at(self, global_step: int) -> None:
+        """A checkpoint of this trainer was loaded: continue the step count from it."""
+        self.outer_step, self.inner_done = divmod(global_step, self.cfg.inner_steps)
+
+    # --- progress records -------------------------------------------------------------------------------------------
+
+    def _record(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.swarm.dht.peer_id.to_bytes(),
+            "outer_step": self.outer_step,
+            "inner_done": self.inner_done,
+            "inner_steps": self.cfg.inner_steps,
+            "samples_accumulated": self.samples,
+            "samples_per_second": self.steps_per_second * self.batch_size_per_step,
+            "steps_per_second": self.steps_per_second,
+            "time": get_dht_time(),
+            "started": self.started,
+        }
+
+    def _publish(self, wait: bool = False) -> None:
+        record = self._record()
+        self.swarm.dht.store(
+            self.progress_key,
+            subkey=record["peer_id"],
+            value=record,
+            expiration_time=record["time"] + RECORD_TTL,
+            return_future=not wait,
+        )
+
+    def _publish_periodically(self) -> None:
+        while not self._stop.wait(PUBLISH_PERIOD):
+            try:
+                self._publish()
+            except Exception as e:  # the DHT is shutting down; the next sync publishes again
+                logger.debug(f"Could not publish DiLoCo progress: {e!r}")
+
+    # --- metrics, checkpoints, leaving -------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        self.averager.round_reports()
+        rounds = {f"averaging_rounds_{status}": n for status, n in self.averager.round_counts.items()}
+        return {
+            "outer_step": self.outer_step,
+            "swarm_peers": 1 + len(self.peers),
+            "samples_contributed": self.samples_total,
+            "diloco_syncs_missed": self.syncs["missed"],
+            **rounds,
+            **total_traffic([self.averager]),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.inner.state_dict()
+        with self._lock:
+            state["diloco"] = {
+                "outer_step": self.outer_step,
+                "inner_done": self.inner_done,
+                "outer_params": [t.clone() for t in self.outer_params],
+                "momenta": [t.clone() for t in self.momenta],
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        saved = state.pop("diloco", None)
+        self.inner.load_state_dict(state)
+        if saved is not None:
+            with torch.no_grad(), self._lock:
+                for target, source in zip(
+                    (*self.outer_params, *self.momenta), (*saved["outer_params"], *saved["momenta"]), strict=True
+                ):
+                    target.copy_(source)
+                self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._publisher.join(timeout=1.0)
+        try:  # a blocking store: the DHT has handled every earlier (background) store before it stops
+            self._publish(wait=True)
+        except Exception as e:
+            logger.debug(f"Could not publish the last DiLoCo progress: {e!r}")
+        if self.averager.is_alive():
+            self.averager.shutdown()
+
+
+def group_bits(outer_step: int) -> str:
+    """The group key bits for an outer step: peers at different outer steps never form a group."""
+    return format(outer_step % 2**16, "016b")
+
+
+# --- the Trainer's flow over inner steps ----------------------------------------------------------------------------
+
+
+class DiLoCoFlowCallback(DefaultFlowCallback):
+    """transformers' flow (log, save, evaluate, stop by `state.global_step`) over the swarm's inner steps: a joiner
+    starts at the swarm's step, a peer that adopted the swarm's state jumps to it."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    @property
+    def diloco(self) -> DiLoCoOptimizer:
+        return self.trainer.swarm.diloco
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        opt = self.diloco
+        if state.global_step > opt.global_step:  # resumed from a checkpoint without DiLoCo state
+            opt.resume_at(state.global_step)
+        swarm = self.trainer.swarm
+        peers = swarm.wait_for_peers()
+        opt.wait_for_records(peers - 1, timeout=min(swarm.config.opt.min_peers_timeout, 30.0))
+        opt.join()
+        self._follow(state)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        trainer.local_steps_since_log += 1  # the Trainer's loss average counts local steps (see Trainer)
+        trainer.local_steps_total += 1
+        self._follow(state)
+        trainer.swarm.publish_model()
+        return super().on_step_end(args, state, control, **kwargs)
+
+    def _follow(self, state: Any) -> None:
+        step = self.diloco.global_step
+        if step != state.global_step:
+            state.global_step = step
+            set_schedule_step(self.trainer.lr_scheduler, step)
+
+
+def set_schedule_step(scheduler: Any, step: int) -> None:
+    """Move a torch LR scheduler (transformers' schedules are LambdaLR) to `step` and set the LRs it gives there."""
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if scheduler is None or lambdas is None:
+        return
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for fn, base in zip(lambdas, scheduler.base_lrs, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

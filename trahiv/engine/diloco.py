@@ -1,0 +1,91 @@
+"""The DiLoCo averager (trahiv.diloco): pseudo-gradients all-reduced with trahiv's robust reducer, every peer ending
+with the same bits (`trahiv.engine.exact`), and the outer state served for download. Overrides hivemind 1.1.12's
+`_run_allreduce_inplace_`, `get_current_state`, `_get_handle_name` and sends commands down the averager's pipe."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
+
+from trahiv.averaging import Aggregation, Deadlines
+from trahiv.averaging.robust import state_rejection_reason
+from trahiv.engine.averagers import CheckedStateDownload, ReportingMixin, RobustGradientAverager
+from trahiv.engine.exact import ExactAverager, ExactRoundRunner
+
+logger = logging.getLogger("trahiv.diloco")
+
+__all__ = ["DiLoCoAverager"]
+
+
+class DiLoCoAverager(ReportingMixin, ExactAverager, CheckedStateDownload):
+    """Averages the pseudo-gradient buffers with trahiv's robust all-reduce (weights capped at the samples each peer
+    reported in its progress record, partial rounds reported), every peer ending with the same bits
+    (trahiv.engine.exact), and serves the outer state for download: metadata {"epoch": outer step}, tensors =
+    outer parameters + outer momentum (fp32)."""
+
+    runner_cls = ExactRoundRunner
+
+    def __init__(
+        self,
+        *args: Any,
+        progress_key: str,
+        deadlines: Deadlines | None = None,
+        aggregation: Aggregation | None = None,
+        **kwargs: Any,
+    ):
+        self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation or Aggregation())
+        self.progress_key = progress_key
+        self.state_source: Any = None  # set by its optimizer: what get_current_state serves
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        caps = await RobustGradientAverager._weight_caps(self, group_info.peer_ids)  # type: ignore[arg-type]
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, weight_caps=caps, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        """In the training process: the outer state (a consistent copy, taken between outer steps)."""
+        source = self.state_source
+        if source is None:
+            return {"epoch": 0}, [], None
+        return source.outer_state()
+
+    def _expected_state_shapes(self) -> list[tuple] | None:
+        source = self.state_source
+        if source is None:
+            return None
+        return [tuple(t.shape) for t in (*source.outer_params, *source.momenta)]
+
+    def load_state_from(self, peer: str, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
+        """Download the outer state of one given peer (checked as CheckedStateDownload does); None if it failed."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
+        loaded = future.result(timeout=timeout)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        reason = state_rejection_reason(metadata, tensors, self._expected_state_shapes())
+        if reason is not None:
+            logger.warning(f"Rejected the state served by peer {peer}: {reason}")
+            return None
+        return metadata, tensors
+
+    async def _load_state_from_peer(self, peer: str, future: MPFuture, timeout: float | None = None) -> None:
+        try:
+            chunk_timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
+            future.set_result(await self._download_state_from(PeerID.from_base58(peer), chunk_timeout))
+        except Exception as e:
+            logger.warning(f"Failed to download the state from {peer}: {e!r}")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return ExactAverager._get_handle_name(namespace, method_name)
