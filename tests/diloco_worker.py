@@ -92,7 +92,7 @@ def main(spec_path: str) -> int:
     toy = spec.get("toy_grad") is not None
     opt = {"run_id": spec["run_id"], "target_batch_size": 1, "matchmaking_time": spec.get("mm", 2.0),
            "averaging_timeout": 30.0, **spec.get("opt", {})}  # fmt: skip
-    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False}
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, "client_mode": False}
     diloco = {"inner_steps": spec["inner_steps"], **spec.get("diloco", {})}
     args = TrainingArguments(
         output_dir=str(out / "output"),

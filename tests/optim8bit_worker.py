@@ -90,11 +90,12 @@ def main(spec_path: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     opt = {"run_id": spec["run_id"], "target_batch_size": spec["target"], "matchmaking_time": spec.get("mm", 2.0),
            "averaging_timeout": 30.0, "verbose": True, **spec.get("opt", {})}  # fmt: skip
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, "client_mode": False}
     args = TrainingArguments(
         output_dir=str(out / "output"), per_device_train_batch_size=spec["batch_size"], max_steps=spec["max_steps"],
         optim=spec.get("optim", "adamw_bnb_8bit"), learning_rate=spec.get("lr", 3e-3), warmup_steps=1,
         weight_decay=0.0, logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, save_strategy="no",
-        hivemind_config={"dht": {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False}, "opt": opt},
+        hivemind_config={"dht": dht, "opt": opt},
     )  # fmt: skip
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     trainer = Trainer(model=build_model(spec), args=args, train_dataset=dataset)

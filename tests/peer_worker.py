@@ -215,7 +215,9 @@ def main(spec_path: str) -> int:
         "verbose": True,
         **spec.get("opt", {}),
     }
-    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, **spec.get("dht", {})}
+    # reachable on loopback: no dial-back at start (client_mode "auto" is tested by test_nat.py and test_doctor.py)
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, "client_mode": False,
+           **spec.get("dht", {})}  # fmt: skip
     args = TrainingArguments(
         output_dir=str(out / "output"),
         per_device_train_batch_size=spec["batch_size"],

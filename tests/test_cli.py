@@ -75,3 +75,18 @@ def test_demo_runs_a_local_swarm_end_to_end(tmp_path):
     assert sum(samples) >= 4 * 96 and min(samples) > 0.25 * sum(samples), samples
     assert "peers 2" in out, "the two trainers never saw each other"
     assert "Dashboard (live while the demo runs): http://127.0.0.1:" in out
+
+
+@pytest.mark.swarm
+def test_demo_diloco_syncs_every_h_local_steps(tmp_path):
+    """`trahiv demo --diloco H`: the peers train alone and sync every H local steps (README's DiLoCo section)."""
+    result = subprocess.run(
+        [*TRAHIV, "demo", "--diloco", "3", "--max-steps", "6", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "DiLoCo: local steps: 6 (target 6), outer steps (syncs every 3 local steps): 2" in out, out[-2000:]
+    sent = int(out.split("bytes sent per peer: ")[1].split()[0].replace(",", ""))
+    assert sent > 0, out[-2000:]
+    assert "Dashboard" not in out

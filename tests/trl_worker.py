@@ -31,7 +31,7 @@ def main(spec_path: str) -> int:
     out, workdir = Path(spec["out"]), Path(spec["workdir"])
     opt = {"run_id": spec["run_id"], "target_batch_size": spec["target"], "matchmaking_time": 2.0,
            "averaging_timeout": 30.0, **spec.get("opt", {})}  # fmt: skip
-    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False}
+    dht = {"initial_peers": spec.get("initial_peers", []), "nat_port_map": False, "client_mode": False}
     args = SFTConfig(
         output_dir=str(out / "output"),
         per_device_train_batch_size=spec["batch_size"],

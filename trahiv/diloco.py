@@ -511,6 +511,7 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         if state.global_step > opt.global_step:  # resumed from a checkpoint without DiLoCo state
             opt.resume_at(state.global_step)
         swarm = self.trainer.swarm
+        swarm.mark_ready()  # min_peers counts peers that train
         peers = swarm.wait_for_peers()
         opt.wait_for_records(peers - 1, timeout=min(swarm.config.opt.min_peers_timeout, 30.0))
         opt.join()

@@ -28,6 +28,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
     parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (0: any free one)")
     parser.add_argument("--no-dashboard", action="store_true", help="run no auxiliary peer (and so no dashboard)")
+    parser.add_argument(
+        "--diloco", type=int, default=0, metavar="H",
+        help="DiLoCo mode: each peer trains alone and the swarm syncs every H local steps (--max-steps counts local "
+        "steps; no dashboard: the auxiliary peer does not follow DiLoCo runs yet)",
+    )  # fmt: skip
     parser.add_argument("--role", choices=["swarm", "trainer"], default="swarm", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=8, help=argparse.SUPPRESS)
@@ -49,6 +54,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trahiv-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    args.no_dashboard = args.no_dashboard or args.diloco > 0
     aux_peer = "" if args.no_dashboard else " + 1 auxiliary peer (dashboard)"
     print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer{aux_peer} on 127.0.0.1, working in {workdir}",
           flush=True)  # fmt: skip
@@ -78,7 +84,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 *command, "demo", "--role", "trainer", "--workdir", str(workdir), "--index", str(index),
                 "--batch-size", str(batch_size), "--max-steps", str(args.max_steps),
                 "--target-batch-size", str(args.target_batch_size), "--matchmaking-time", str(args.matchmaking_time),
-                "--run-id", args.run_id, "--peers", str(args.peers), "--initial-peers", *initial_peers,
+                "--run-id", args.run_id, "--peers", str(args.peers), "--diloco", str(args.diloco),
+                "--initial-peers", *initial_peers,
             ]  # fmt: skip
             trainers.append(subprocess.Popen(trainer_args, env=env, stderr=log))
             processes.append(trainers[-1])
@@ -157,8 +164,13 @@ def _summarize(workdir: Path, args: argparse.Namespace, codes: list[int]) -> int
         rows.append(summary)
     total = sum(row["samples_contributed"] for row in rows) or 1
     print("\n=== trahiv demo summary ===")
-    print(f"collaborative steps: {max(row['collaborative_steps'] for row in rows)} (target {args.max_steps}), "
-          f"{args.target_batch_size} samples each")  # fmt: skip
+    if args.diloco:
+        print(f"DiLoCo: local steps: {max(row['collaborative_steps'] for row in rows)} (target {args.max_steps}), "
+              f"outer steps (syncs every {args.diloco} local steps): {max(row['outer_steps'] for row in rows)}, "
+              f"bytes sent per peer: {max(row['bytes_sent'] for row in rows):,}")  # fmt: skip
+    else:
+        print(f"collaborative steps: {max(row['collaborative_steps'] for row in rows)} (target {args.max_steps}), "
+              f"{args.target_batch_size} samples each")  # fmt: skip
     print(f"{'peer':<6}{'peer id':<20}{'batch':>6}{'samples':>9}{'share':>8}{'loss start':>12}{'loss end':>10}")
     for index, row in enumerate(rows):
         print(
@@ -187,8 +199,10 @@ def run_trainer(args: argparse.Namespace) -> int:
             logs = kwargs.get("logs") or {}
             if "loss" in logs:
                 losses.append(float(logs["loss"]))
+                step = logs.get("collaborative_step", state.global_step)
+                outer = f" outer step {logs['outer_step']}" if "outer_step" in logs else ""
                 print(
-                    f"[peer {index}] step {logs.get('collaborative_step')}/{args.max_steps} loss {logs['loss']:.3f} "
+                    f"[peer {index}] step {step}/{args.max_steps}{outer} loss {logs['loss']:.3f} "
                     f"peers {logs.get('swarm_peers')} swarm {logs.get('swarm_samples_per_second', 0):.0f} samples/s "
                     f"contributed {logs.get('samples_contributed')}",
                     flush=True,
@@ -204,6 +218,7 @@ def run_trainer(args: argparse.Namespace) -> int:
             "opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size,
                     "matchmaking_time": args.matchmaking_time, "averaging_timeout": 30.0,
                     "min_peers": args.peers, "min_peers_timeout": 120.0},  # the demo's peers start together
+            **({"diloco": {"inner_steps": args.diloco}} if args.diloco else {}),
         },
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(workdir / "model")
@@ -222,9 +237,17 @@ def run_trainer(args: argparse.Namespace) -> int:
         "peer_id": swarm.peer_id,
         "batch_size": args.batch_size,
         "collaborative_steps": trainer.state.global_step,
-        "samples_contributed": swarm.optimizer.samples_contributed if swarm.optimizer else 0,
+        "samples_contributed": _samples(swarm),
+        "outer_steps": swarm.diloco.outer_step if swarm.diloco else 0,
+        "bytes_sent": int(swarm.metrics().get("averaging_bytes_sent", 0)),
         "first_loss": losses[0] if losses else float("nan"),
         "last_loss": losses[-1] if losses else float("nan"),
     }
     (workdir / f"peer{index}.json").write_text(json.dumps(summary))
     return 0
+
+
+def _samples(swarm: Any) -> int:
+    if swarm.diloco is not None:
+        return int(swarm.diloco.samples_total)
+    return int(swarm.optimizer.samples_contributed) if swarm.optimizer is not None else 0

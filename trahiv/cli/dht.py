@@ -29,6 +29,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from trahiv import connectivity
     from trahiv.config import DHTConfig
     from trahiv.engine import interrupt_on_signals
     from trahiv.errors import UserError, explain_validation
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
             addresses = join_addresses(dht)
-            print(f"To join the training, use initial_peers = {addresses}", flush=True)
+            for line in connectivity.join_lines(addresses, config.initial_peers, client_mode=dht.client_mode):
+                print(line, flush=True)
             if args.addresses_file:
                 with open(args.addresses_file, "w") as f:
                     json.dump(addresses, f)

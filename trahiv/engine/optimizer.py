@@ -60,6 +60,7 @@ __all__ = [
 
 _GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
+LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer looks for a group
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 
@@ -126,6 +127,14 @@ class SwarmProgressTracker(ProgressTracker):
             value=self.local_progress.dict(),
             expiration_time=get_dht_time() + self.metadata_expiration,
         )
+
+    def peek_epoch(self) -> int:
+        """The swarm's step from a fresh read of the progress records (trusted as in `_trusted_records`), without
+        the tracker's lock and without updating its state: for waits while the tracker is paused."""
+        found = self.dht.get(self.training_progress_key, latest=True)
+        epochs = [record.epoch for record, _ in self._well_formed_records(found.value if found else None).values()]
+        limit = trusted_epoch(epochs, self.local_progress.epoch)
+        return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch)
 
     def refresh_now(self) -> None:
         """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
@@ -209,7 +218,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
         self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
         self._next_progress_check = 0.0
-        self._stepped_alone = False  # see _resync
+        self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
         self._tiebreak = peer_tiebreak(dht.peer_id.to_bytes())
@@ -299,8 +308,15 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return
         self._key_rounds_by_step()
-        self._stepped_alone = False
+        self._stepped_alone = self._left_behind = False
         super()._update_global_epoch(grad_scaler)
+        if self._left_behind:  # the swarm finished the step while this peer looked for a group: take its state
+            logger.info(
+                f"The swarm moved on to step {self.tracker.global_epoch} without this peer: downloading its state"
+            )
+            self.load_state_from_peers()
+            self._resync_epoch = None
+            return
         partial = any(report.peers and not report.complete for report in self._new_gradient_reports())
         differs = self._stepped_alone or (partial and self.tracker.has_other_peers)
         self._resync_epoch = self.local_epoch if differs else None
@@ -310,6 +326,24 @@ class SwarmOptimizer(hivemind.Optimizer):
         """Reports of the gradient rounds finished since the last look (also counted in `averaging_rounds`)."""
         averager = getattr(self, "grad_averager", None)
         return averager.round_reports() if isinstance(averager, ReportingMixin) else []
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        """hivemind's, but while this peer still looks for a group, it watches the swarm: if the others finish the
+        step without it (a peer that came late to a round, or whose group request was lost), it stops waiting (hivemind
+        waited the whole averaging_timeout, then stepped alone) and downloads their state after the step
+        (`_left_behind`)."""
+        control = maybe_step_control
+        deadline = time.monotonic() + self.averaging_timeout
+        while control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(LEFT_BEHIND_POLL)
+            swarm = self.tracker.peek_epoch()  # (the tracker is paused here: its lock is held)
+            if swarm > self.local_epoch and newest_served_step(self.dht, self.run_id) >= swarm:
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
+                    self._left_behind = True
+                break
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     # --- after a round that failed while other peers were there: back to the swarm's state ----------------------
 
