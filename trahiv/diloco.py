@@ -368,7 +368,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if leader.peer == me.peer:
             return False
         logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
-        if self._adopt_swarm_state(prefer=leader.peer):
+        # peers that start a run together (min_peers) each make the first outer step's H inner steps: a peer that
+        # started a moment earlier waits for the others at its sync point instead of shortening their first round
+        if self._adopt_swarm_state(prefer=leader.peer, follow_inner=leader.outer_step > 0):
             return True
         logger.warning("Could not download the swarm's outer state: starting from this peer's own parameters")
         return False
@@ -381,7 +383,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             time.sleep(POLL_PERIOD)
         return len(self.peers)
 
-    def _adopt_swarm_state(self, prefer: str | None = None) -> bool:
+    def _adopt_swarm_state(self, prefer: str | None = None, follow_inner: bool = True) -> bool:
         """Download outer parameters, momentum and step; start from the swarm's inner step at that outer step."""
         timeout = self.config.opt.load_state_timeout
         loaded = self.averager.load_state_from(prefer, timeout) if prefer is not None else None
@@ -396,7 +398,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 target.copy_(source)
             self.outer_step = int(metadata["epoch"])
             same = [r.inner_done for r in self._others().values() if r.outer_step == self.outer_step]
-            self.inner_done = min(max(same, default=0), self.cfg.inner_steps - 1)
+            self.inner_done = min(max(same, default=0), self.cfg.inner_steps - 1) if follow_inner else 0
             self.samples = 0
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
