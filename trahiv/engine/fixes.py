@@ -12,12 +12,12 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    buffer's size against its header before reading (the buffer comes from another peer).
 4. Noise: a round in which no averaging group formed is logged by hivemind at ERROR with a traceback ("Averaging step
    failed: could not find a group"), every time, though nothing broke; trahiv counts and reports such rounds itself
-   (`trahiv.averaging.partial.ReportingMixin`): the record is kept as one INFO line without the traceback.
+   (`trahiv.engine.averagers.ReportingMixin`): the record is kept as one INFO line without the traceback.
 5. Matchmaking keys: after each group, hivemind 1.1.12 shifts bucket bits into an averager's group bits (its scheme
    for swarms split into groups of `target_group_size`), even with no target size. trahiv keys matchmaking by the
    collaborative step in those bits (`trahiv.engine.averagers.EpochKeyedMatchmaking`): a retry after a failed round
    would look under another key than its peers'. Bits of trahiv's width are kept when no target size is set.
-(The `client_mode` bug is fixed in `trahiv.swarm.SwarmOptimizer`, which passes the DHT's mode explicitly.)
+(The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ __all__ = ["attach_silence_watch", "skip_state_rounds_that_cannot_form"]
 
 
 def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
-    """Feed a SilenceWatch from a trahiv.swarm.SwarmOptimizer: after each collaborative step, did gradient averaging
-    succeed, and which other trainers were in the swarm (from their progress records)."""
+    """Feed a SilenceWatch from a SwarmOptimizer: after each collaborative step, did gradient averaging succeed, and
+    which other trainers were in the swarm (from their progress records)."""
     watch = SilenceWatch(rounds, client_mode=bool(optimizer.client_mode))
     if optimizer.auxiliary or not optimizer.use_gradient_averaging:
         return watch  # parameter averaging only (use_local_updates): rounds are rare, not watched
