@@ -180,7 +180,8 @@ def start_peer_in(host: Host, tmp: Path, name: str, **spec: Any) -> Any:
 
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"out": str(out), **spec}
+    # the README recipe leaves client_mode unset ("auto": a dial-back decides); peer_worker's loopback default is False
+    spec = {"out": str(out), **spec, "dht": {"client_mode": "auto", **spec.get("dht", {})}}
     (out / "spec.json").write_text(json.dumps(spec))
     log = open(out / "log.txt", "w")
     command = [*host.prefix(), sys.executable, str(TESTS / "peer_worker.py"), str(out / "spec.json")]

@@ -89,6 +89,7 @@ class AveragingHelper:
         self._dht: Any = None
         self._gate: Any = None
         self._control: Any = None
+        self._averaging: Any = None  # the round `_average` waits for
         self._next_refresh = 0.0
         self._next_waiting_log = time.monotonic() + 10.0
         self._stop = threading.Event()
@@ -106,6 +107,9 @@ class AveragingHelper:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        for control in (self._control, self._averaging):  # a round in progress would hold the thread for its timeout
+            if control is not None and not control.done():
+                control.cancel()
         if self._thread is not None:
             self._thread.join(timeout)
         control, self._control = self._control, None
@@ -277,6 +281,7 @@ class AveragingHelper:
     def _average(self, control: Any, step: int) -> None:
         opt = self.config.opt if self.config is not None else None
         assert opt is not None
+        self._averaging = control
         try:
             self.averager.step(control=control, wait=True, timeout=opt.averaging_timeout)
         except BaseException as e:
@@ -287,6 +292,7 @@ class AveragingHelper:
             self.skipped += 1  # no group (a round that began and failed is also reported below)
             logger.info(f"Averaging helper, step {step}: no round ({e!r})")
         finally:
+            self._averaging = None
             for report in self.averager.round_reports():  # also counted in the averager's round_counts
                 logger.info(f"Averaging helper, step {step}: {report.describe()}")
         self.rounds = dict(self.averager.round_counts)
