@@ -176,17 +176,11 @@ def start_bootstrap_in(host: Host, tmp: Path) -> tuple[subprocess.Popen, list[st
 
 def start_peer_in(host: Host, tmp: Path, name: str, **spec: Any) -> Any:
     """tests/peer_worker.py on `host` (swarm_helpers.start_peer, in a namespace)."""
-    from swarm_helpers import ENV, Peer
+    from swarm_helpers import start_peer
 
-    out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
     # the README recipe leaves client_mode unset ("auto": a dial-back decides); peer_worker's loopback default is False
-    spec = {"out": str(out), **spec, "dht": {"client_mode": "auto", **spec.get("dht", {})}}
-    (out / "spec.json").write_text(json.dumps(spec))
-    log = open(out / "log.txt", "w")
-    command = [*host.prefix(), sys.executable, str(TESTS / "peer_worker.py"), str(out / "spec.json")]
-    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-    return Peer(name, out, process, spec)
+    dht = {"client_mode": "auto", **spec.pop("dht", {})}
+    return start_peer(tmp, name, prefix=tuple(host.prefix()), dht=dht, **spec)
 
 
 TESTS = Path(__file__).parent

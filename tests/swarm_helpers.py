@@ -100,13 +100,14 @@ class Peer:
         return {r["step"]: r for r in self.records("step")}
 
 
-def start_peer(tmp: Path, name: str, **spec: Any) -> Peer:
+def start_peer(tmp: Path, name: str, *, worker: str = "peer_worker.py", prefix: tuple = (), **spec: Any) -> Peer:
+    """Run `worker` (a script in tests/) with `spec` as a peer named `name`; `prefix` runs it elsewhere (`ip netns`)."""
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
     spec = {"out": str(out), **spec}
     (out / "spec.json").write_text(json.dumps(spec))
     log = open(out / "log.txt", "w")
-    command = [sys.executable, str(TESTS / "peer_worker.py"), str(out / "spec.json")]
+    command = [*prefix, sys.executable, str(TESTS / worker), str(out / "spec.json")]
     process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     return Peer(name, out, process, spec)
 

@@ -8,8 +8,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,21 +15,14 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from swarm_helpers import ENV, TESTS, Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
+from swarm_helpers import Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
 from trahiv.diloco import PeerProgress, outer_sgd_step_, since_first_seen, sync_deadline
 
 
 def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
-    out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {"out": str(out), **spec}
-    (out / "spec.json").write_text(json.dumps(spec))
-    log = open(out / "log.txt", "w")
-    command = [sys.executable, str(TESTS / "diloco_worker.py"), str(out / "spec.json")]
-    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-    return Peer(name, out, process, spec)
+    return start_peer(tmp, name, worker="diloco_worker.py", **spec)
 
 
 def syncs(peer: Peer) -> dict[int, dict]:
