@@ -43,6 +43,7 @@ __all__ = ["AveragingHelper", "add_arguments", "agreed_schema", "attach", "check
 TICK = 0.05  # seconds between looks at the swarm's progress while a step is due
 SCHEMA_POLL = 1.0  # seconds between looks for the trainers' tensor schema before the first trainer arrives
 WAITING_LOG_PERIOD = 60.0  # seconds between "waiting for a trainer" lines
+STOP_TIMEOUT = 3.0  # seconds to wait for the helper's thread, then for its progress tracker, when stopping
 
 
 def check_config(config: HivemindConfig) -> None:
@@ -105,7 +106,9 @@ class AveragingHelper:
         self._thread.start()
         logger.info(f"Helping swarm {config.opt.run_id!r} average gradients (auxiliary mode)")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop within about 2 x `timeout` + the averager's shutdown: an aux peer must leave within seconds of SIGTERM
+        (with 10 s here it once took 15 s, and was killed)."""
         self._stop.set()
         for control in (self._control, self._averaging):  # a round in progress would hold the thread for its timeout
             if control is not None and not control.done():
