@@ -99,6 +99,11 @@ class Peer:
     def params_at(self) -> dict[int, dict]:
         return {r["step"]: r for r in self.records("step")}
 
+    def wait_params(self, step: int, timeout: float = 120) -> dict:
+        """This peer's parameter record at collaborative `step` (written at the end of that step, after its "local"
+        record: wait_step alone can return before it)."""
+        return wait_for(lambda: self._check_alive() and self.params_at().get(step), timeout, f"{self.name} step {step}")
+
 
 def start_peer(tmp: Path, name: str, *, worker: str = "peer_worker.py", prefix: tuple = (), **spec: Any) -> Peer:
     """Run `worker` (a script in tests/) with `spec` as a peer named `name`; `prefix` runs it elsewhere (`ip netns`)."""
