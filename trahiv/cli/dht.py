@@ -33,20 +33,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from trahiv import connectivity
     from trahiv.engine import interrupt_on_signals
-    from trahiv.swarm import join_addresses, start_dht
+    from trahiv.lifecycle import Lifecycle, join_swarm
+    from trahiv.swarm import join_addresses
 
     config: DHTConfig = args.flags_dht.build(args)  # a bad value: one message naming the flag, exit code 2
     if config.identity_path:
         _ensure_identity(config.identity_path)
-    auth = _start_auth(args, config)
-    try:
-        dht = start_dht(config, **(auth.dht_kwargs() if auth is not None else {}))
-        if auth is not None:
-            auth.attach(dht)
-    except BaseException:
-        if auth is not None:
-            auth.close()
-        raise
+    lifecycle = Lifecycle()  # auth -> DHT -> token; no revert watcher (a bootstrap peer holds no model)
+    dht = join_swarm(lifecycle, config, auth=lambda: _start_auth(args, config), watch_reverts=False).dht
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
@@ -63,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         crashed = not dht.is_alive()
-        if auth is not None:
-            auth.close()
-        dht.shutdown()
+        lifecycle.close()  # the token (no renewal while the DHT stops), then the DHT
     if crashed:
         print("The DHT process stopped unexpectedly", file=sys.stderr)
         return 1
