@@ -32,6 +32,7 @@ from trahiv.engine.optimizer import (
 from trahiv.engine.traffic import total_traffic
 from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_cannot_form
 from trahiv.errors import debug_enabled, join_error_message
+from trahiv.lifecycle import Lifecycle, join_swarm
 from trahiv.metrics import MetricsPublisher, MetricsRecord
 from trahiv.protocol import ready_peers
 from trahiv.revert import RevertFollower, RevertWatcher
@@ -167,19 +168,14 @@ class Swarm:
     def __init__(self, config: HivemindConfig, *, announce: Callable[[str], None] = print):
         show_swarm_events()
         self.config = config
-        self.auth = _start_auth(config)  # before the DHT: a refused peer stops here, with the server's reason
-        try:
-            self.dht = start_dht(config.dht, **(self.auth.dht_kwargs() if self.auth is not None else {}))
-        except BaseException:
-            if self.auth is not None:
-                self.auth.close()
-            raise
-        if self.auth is not None:
-            self.auth.attach(self.dht, self._contribution)
-        self.revert_watcher: RevertWatcher | None = None
-        if self.auth is not None:  # moderators' revert orders, signed by the experiment key
-            client = self.auth.client
-            self.revert_watcher = RevertWatcher(self.dht, self.run_id, self.auth.experiment_public_key, client).start()
+        # auth (before the DHT: a refused peer stops here, with the server's reason) -> DHT -> token -> moderators'
+        # revert orders; `shutdown` stops them in reverse order (trahiv.lifecycle)
+        self.lifecycle = Lifecycle()
+        member = join_swarm(self.lifecycle, config.dht, auth=lambda: _start_auth(config), run_id=config.opt.run_id,
+                            contribution=self._contribution)  # fmt: skip
+        self.auth: PeerAuth | None = member.auth
+        self.dht = member.dht
+        self.revert_watcher: RevertWatcher | None = member.revert_watcher
         self.optimizer: SwarmOptimizer | None = None
         self.diloco: Any = None  # [DiLoCo] trahiv.diloco.DiLoCoOptimizer, instead of `optimizer`, in DiLoCo mode
         self.started_at = time.monotonic()
@@ -389,15 +385,11 @@ class Swarm:
                     self.optimizer.shutdown()
                 if self.diloco is not None:  # [DiLoCo]
                     self.diloco.shutdown()
-                if self.dht.is_alive():
-                    self.dht.shutdown()
             except Exception as e:  # leaving must not raise: the processes are killed below anyway
                 logger.warning(f"Error while leaving the swarm: {e!r}")
+            self.lifecycle.close()  # the DHT (the watcher and the token stopped before the averagers)
 
-        if self.revert_watcher is not None:
-            self.revert_watcher.close()
-        if self.auth is not None:  # no renewal while the DHT stops
-            self.auth.close()
+        self.lifecycle.close(after="dht")  # the revert watcher, then the token: no renewal while the DHT stops
         closer = threading.Thread(target=close, name="trahiv-shutdown", daemon=True)
         closer.start()
         closer.join(timeout)

@@ -25,6 +25,7 @@ from trahiv.auxiliary.collector import Collector
 from trahiv.auxiliary.store import MetricsStore, default_store_url
 from trahiv.auxiliary.trackers import Tracker, make_trackers
 from trahiv.config import HivemindConfig
+from trahiv.lifecycle import Lifecycle, join_swarm
 
 logger = logging.getLogger("trahiv.auxiliary")
 
@@ -73,6 +74,7 @@ class AuxPeer:
         self.initial_peers: list[str] = []
         self.services: list[AuxService] = []
         self._started: list[AuxService] = []
+        self._lifecycle = Lifecycle()  # auth -> DHT -> token -> watchers (trahiv.lifecycle)
 
     @property
     def run_id(self) -> str:
@@ -101,17 +103,14 @@ class AuxPeer:
             self.store = MetricsStore(self.store_url)
             trackers = self._open_trackers(self.store)
             from trahiv.metrics import add_metrics_validators
-            from trahiv.swarm import _start_auth, join_addresses, show_swarm_events, start_dht
+            from trahiv.swarm import _start_auth, join_addresses, show_swarm_events
 
             show_swarm_events()
-            self.auth = _start_auth(self.config)  # before the DHT: a refused peer stops here, with the server's reason
-            self.dht = start_dht(self.config.dht, **(self.auth.dht_kwargs() if self.auth is not None else {}))
-            if self.auth is not None:
-                self.auth.attach(self.dht)  # published and renewed; an aux peer contributes no samples
-                from trahiv.revert import RevertWatcher
-
-                key, client = self.auth.experiment_public_key, self.auth.client
-                self.revert_watcher = RevertWatcher(self.dht, self.run_id, key, client).start()
+            # auth (a refused peer stops here, with the server's reason) -> DHT -> token (published and renewed; an
+            # aux peer contributes no samples) -> moderators' revert orders; `stop` undoes them in reverse order
+            member = join_swarm(self._lifecycle, self.config.dht, auth=lambda: _start_auth(self.config),
+                                run_id=self.run_id)  # fmt: skip
+            self.auth, self.dht, self.revert_watcher = member.auth, member.dht, member.revert_watcher
             add_metrics_validators(self.dht, self.run_id)
             self.initial_peers = join_addresses(self.dht)
             self.announce(f"To join the training, use initial_peers = {self.initial_peers}")
@@ -164,18 +163,8 @@ class AuxPeer:
         if self.collector is not None:
             self.collector.stop(timeout=max(5.0, 2 * self.period))
             self.collector = None
-        if self.revert_watcher is not None:
-            self.revert_watcher.close()
-            self.revert_watcher = None
-        if self.auth is not None:  # no renewal while the DHT stops (removes a temporary identity)
-            self.auth.close()
-            self.auth = None
-        if self.dht is not None:
-            try:
-                self.dht.shutdown()
-            except Exception as e:
-                logger.warning(f"Stopping the DHT failed: {e!r}")
-            self.dht = None
+        self._lifecycle.close()  # the revert watcher, the token (no renewal while the DHT stops), the DHT
+        self.revert_watcher = self.auth = self.dht = None
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -75,53 +75,28 @@ def load_model(name: str, model_class: str = "AutoModelForCausalLM") -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of StateKeeperConfig's fields (help and defaults from the model; hub_token stays off the command
+    line: HF_TOKEN or the cached login)."""
+    from trahiv.cli.flags import add_flags
+
     group = parser.add_argument_group("checkpoints and state (with --model)")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="the swarm's model (local folder or cached Hub name): save checkpoints and serve state",
-    )
-    group.add_argument("--model-class", default="AutoModelForCausalLM", help="transformers class loading --model")
-    group.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
-    group.add_argument("--checkpoint-every", type=int, default=20, help="collaborative steps between checkpoints")
-    group.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest this many checkpoints")
-    group.add_argument(
-        "--no-resume",
-        dest="resume",
-        action="store_false",
-        help="do not serve the newest checkpoint at start (by default a stopped swarm restarts from it)",
-    )
-    group.add_argument("--state-poll", type=float, default=5.0, help="seconds between looks at the swarm's step")
-    group.add_argument("--push-to-hub", action="store_true", help="upload each checkpoint to the Hugging Face Hub")
-    group.add_argument("--hub-repo", default=None, help="Hub model repo id for --push-to-hub (user/name)")
-    group.add_argument("--hub-private", action="store_true", default=None, help="create the Hub repo as private")
+    notes = {"model": "with it: save checkpoints and serve state", "checkpoint_dir": "default: OUTPUT_DIR/checkpoints"}
+    flags = add_flags(group, StateKeeperConfig, exclude=("hub_token",), rename={"poll_interval": "--state-poll"},
+                      notes=notes)  # fmt: skip
+    parser.set_defaults(flags_state=flags)
 
 
 def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
-    if args.model is None:
-        for flag, value in (("--push-to-hub", args.push_to_hub), ("--checkpoint-dir", args.checkpoint_dir)):
-            if value:
-                raise ValueError(f"{flag} needs --model (the swarm's model)")
+    flags = args.flags_state
+    given = flags.given(args)
+    if "model" not in given:
+        for name in ("push_to_hub", "checkpoint_dir"):
+            if given.get(name):
+                raise ValueError(f"{flags.flags[name]} needs --model (the swarm's model)")
         return
-    if args.push_to_hub and not args.hub_repo:
+    if given.get("push_to_hub") and not given.get("hub_repo"):
         raise ValueError("--push-to-hub needs --hub-repo (the Hub model repo id, e.g. my-org/my-model)")
-    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep-checkpoints", args.keep_checkpoints)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.state_poll <= 0:
-        raise ValueError(f"--state-poll must be > 0 seconds, got {args.state_poll}")
-    config = StateKeeperConfig(
-        model=args.model,
-        model_class=args.model_class,
-        checkpoint_dir=args.checkpoint_dir or str(Path(peer.output_dir) / "checkpoints"),
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        poll_interval=args.state_poll,
-        push_to_hub=args.push_to_hub,
-        hub_repo=args.hub_repo,
-        hub_private=args.hub_private,
-    )
+    config = flags.build(args, base={"checkpoint_dir": str(Path(peer.output_dir) / "checkpoints")})
     from trahiv.auxiliary.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
 
     peer.add_service(StateKeeper(config))

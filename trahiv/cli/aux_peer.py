@@ -23,6 +23,8 @@ EXTENSIONS: tuple[str, ...] = (  # each adds flags and attaches a service
 
 def register(commands: argparse._SubParsersAction) -> None:
     from trahiv.auxiliary.trackers import TRACKERS
+    from trahiv.cli.flags import add_flags
+    from trahiv.config import DHTConfig
 
     parser = commands.add_parser(
         "aux", help="run an auxiliary peer: entry point, metrics store, experiment trackers (CPU only)"
@@ -30,12 +32,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", required=True, help="the trainers' hivemind_config (JSON/YAML file or JSON string): run_id, dht"
     )
-    parser.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of running peers (overrides)")
-    parser.add_argument("--host-maddrs", nargs="+", default=None, help="addresses to listen on (overrides)")
-    parser.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses to announce (overrides)")
-    parser.add_argument("--identity-path", default=None, help="key file fixing the peer ID (created if missing)")
-    parser.add_argument("--no-nat-port-map", dest="nat_port_map", action="store_false", default=None,
-                        help="do not ask the gateway for a port mapping")  # fmt: skip
     parser.add_argument("--output-dir", default="aux_output", help="where the store and tracker logs go")
     parser.add_argument("--store", default=None, help="SQLAlchemy database URL (default: sqlite in --output-dir)")
     parser.add_argument("--report-to", nargs="+", default=["tensorboard"], choices=TRACKERS,
@@ -45,28 +41,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--period", type=float, default=2.0, help="seconds between reads of the swarm's metrics")
     parser.add_argument("--addresses-file", default=None, help="also write the join addresses there (JSON)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    group = parser.add_argument_group("DHT (a flag given overrides the config's dht section)")
+    dht = add_flags(group, DHTConfig, notes={"identity_path": "created if missing"})
     for name in EXTENSIONS:
         importlib.import_module(name).add_arguments(parser)  # type: ignore[attr-defined]
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, flags_dht=dht)
 
 
 def load_config(args: argparse.Namespace):
-    """The hivemind_config with the command line's DHT overrides applied (validated like the trainers')."""
-    from trahiv.config import DHTConfig, HivemindConfig
+    """The hivemind_config with the DHT flags the user gave applied over its dht section (validated like the
+    trainers'; a bad flag: one message naming it)."""
+    from trahiv.config import HivemindConfig
 
     config = HivemindConfig.load(args.config)
-    overrides = {
-        "initial_peers": args.initial_peers,
-        "host_maddrs": args.host_maddrs,
-        "announce_maddrs": args.announce_maddrs,
-        "identity_path": args.identity_path,
-        "nat_port_map": args.nat_port_map,
-    }
-    dht = {**config.dht.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-    try:
-        config.dht = DHTConfig.model_validate(dht)
-    except Exception as e:
-        raise ValueError(f"invalid DHT options: {e}") from None
+    config.dht = args.flags_dht.build(args, base=config.dht.model_dump())
     return config
 
 

@@ -10,23 +10,27 @@ import sys
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from trahiv.cli.flags import add_flags
+    from trahiv.config import DHTConfig
+
     parser = commands.add_parser("doctor", help="check that this machine can join the swarm (network, clock, auth)")
     parser.add_argument("--config", default=None, help="the swarm's hivemind_config (YAML/JSON file or JSON string)")
-    parser.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs to check (override the config)")
+    dht = add_flags(
+        parser, DHTConfig, only=("initial_peers",), notes={"initial_peers": "checked; overrides the config"}
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each peer (default 5)")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, flags_dht=dht)
 
 
 def run(args: argparse.Namespace) -> int:
-    from trahiv.config import DHTConfig, HivemindConfig
+    from trahiv.config import HivemindConfig
     from trahiv.doctor import diagnose, exit_code
 
     if args.config is not None:
         config = HivemindConfig.load(args.config)  # ValueError: printed by trahiv.cli.main, exit status 2
     else:
         config = HivemindConfig.load({"opt": {"run_id": "doctor", "target_batch_size": 1}})
-    if args.initial_peers is not None:
-        config.dht = DHTConfig(**{**config.dht.model_dump(), "initial_peers": args.initial_peers})
+    config.dht = args.flags_dht.build(args, base=config.dht.model_dump())  # only the flags given override
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     checks = diagnose(config, timeout=args.timeout).checks

@@ -14,8 +14,6 @@ from typing import Any
 from trahiv.memory import (
     COMPONENT_LABELS,
     COMPONENTS,
-    OPTIMIZER_BITS,
-    PRECISIONS,
     PRESETS,
     GiB,
     MemoryEstimate,
@@ -26,6 +24,9 @@ __all__ = ["format_table", "register", "run"]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from trahiv.cli.flags import add_flags
+    from trahiv.web.memory_page import MemoryQuery  # (fastapi: a few hundred ms, as the page's own model is the source)
+
     parser = commands.add_parser(
         "memory",
         help="estimate the GPU and CPU memory needed to train a model",
@@ -36,19 +37,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         nargs="?",
         help="a preset name (e.g. gpt2-xl, dalle) or a transformers config.json (or its dir); optional with --serve",
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32, or fp16/bf16 mixed precision")
-    parser.add_argument("--optimizer-bits", type=int, choices=OPTIMIZER_BITS, default=32, help="Adam state precision")
-    parser.add_argument("--offload", action="store_true", help="keep optimizer states and master weights on CPU")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--parameter-sharing", action="store_true", help="all layers share weights (ALBERT-style)")
-    parser.add_argument("--lora-rank", type=int, default=None, help="train only LoRA adapters of this rank")
+    flags = add_flags(parser, MemoryQuery, exclude=("model",))  # MODEL: the positional argument above
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
     parser.add_argument("--serve", action="store_true", help="run the calculator as a web page (GET /memory)")
     parser.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="with --serve: the port to listen on")
-    parser.set_defaults(run=run, parser=parser)
+    parser.set_defaults(run=run, parser=parser, flags_memory=flags)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,16 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> MemoryOptions:
-    return MemoryOptions(
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        precision=args.precision,
-        optimizer_bits=args.optimizer_bits,
-        offload_optimizer=args.offload,
-        gradient_checkpointing=args.gradient_checkpointing,
-        parameter_sharing=args.parameter_sharing,
-        lora_rank=args.lora_rank,
-    )
+    """The options from the flags (MemoryQuery's fields), checked by MemoryOptions as the library checks them."""
+    values = args.flags_memory.values(args)
+    values["offload_optimizer"] = values.pop("offload")
+    return MemoryOptions(**values)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -81,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from trahiv.memory import resolve_model
-    from trahiv.web.memory_page import DEFAULT_MODEL, MemoryQuery, create_app
+    from trahiv.web.memory_page import DEFAULT_MODEL, create_app
 
     if args.json:
         args.parser.error("--json and --serve exclude each other")
@@ -91,17 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     shape = resolve_model(model)
     if shape.name not in PRESETS:  # a config.json: one more model on the page
         extra[shape.name] = shape
-    defaults = MemoryQuery(
-        model=shape.name,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        precision=args.precision,
-        optimizer_bits=args.optimizer_bits,
-        offload=args.offload,
-        gradient_checkpointing=args.gradient_checkpointing,
-        parameter_sharing=args.parameter_sharing,
-        lora_rank=args.lora_rank,
-    )
+    defaults = args.flags_memory.build(args, model=shape.name)
     print(f"Memory calculator: http://{_url_host(args.host)}:{args.port}/memory", flush=True)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again: exit 0 then, as `trahiv dht` does
     previous = signal.signal(signal.SIGTERM, _terminated)

@@ -90,19 +90,24 @@ def run(args: argparse.Namespace) -> int:
     from trahiv.auth.revert import SignedRevertOrder, verify_order
     from trahiv.engine.gate import gated
     from trahiv.engine.state import StateMirror
+    from trahiv.lifecycle import Lifecycle, join_swarm
     from trahiv.revert import RevertWatcher, parameters_digest
-    from trahiv.swarm import _start_auth, start_dht
+    from trahiv.swarm import _start_auth
 
     digest = parameters_digest(state.parameters)
-    auth = _start_auth(config)  # refused: an AuthError, shown by trahiv/cli/main.py as one message
-    assert auth is not None
     previous = signal.signal(signal.SIGTERM, _terminated)
-    dht = mirror = None
+    lifecycle = Lifecycle()  # auth -> DHT -> token -> the state mirror; the reverse on exit
     try:
-        dht = start_dht(config.dht, **auth.dht_kwargs())
-        auth.attach(dht)
-        with engine.children_ignore_sigint():
-            mirror = gated(StateMirror, AuthGate(run_id, auth.experiment_public_key))(dht=dht, run_id=run_id)
+        # refused: an AuthError, shown by trahiv/cli/main.py as one message
+        member = join_swarm(lifecycle, config.dht, auth=lambda: _start_auth(config), watch_reverts=False)
+        dht, auth = member.dht, member.auth
+        assert auth is not None  # (config.auth is set)
+
+        def start_mirror() -> Any:
+            with engine.children_ignore_sigint():
+                return gated(StateMirror, AuthGate(run_id, auth.experiment_public_key))(dht=dht, run_id=run_id)
+
+        mirror = lifecycle.enter("state mirror", start_mirror, lambda m: m.shutdown())
         mirror.serve(state)
         peer_id = dht.peer_id.to_base58()
         print(f"Serving {args.checkpoint} (collaborative step {state.step}) as peer {peer_id}", file=sys.stderr)
@@ -121,11 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print("Stopping", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if mirror is not None:
-            mirror.shutdown()
-        auth.close()
-        if dht is not None:
-            dht.shutdown()
+        lifecycle.close()  # the mirror, the token, the DHT
     return 0
 
 
