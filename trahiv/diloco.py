@@ -22,7 +22,11 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
   swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
   of the samples it trained (fewer than the others' in its first round);
-- when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker).
+- when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker);
+- the Trainer's checkpoints (`save_strategy`) hold, in `optimizer.pt`, the inner optimizer's state and the outer
+  state (outer parameters, momenta, outer step, inner steps and samples of the current round): a peer restarted with
+  `resume_from_checkpoint` continues at the same inner and outer step (its model file holds the half-way inner
+  parameters); if the swarm reached a later outer step meanwhile, it adopts the swarm's outer state instead.
 
 `state.global_step` counts inner steps in the swarm's timeline: outer_step x H + inner steps done this round.
 """
@@ -182,6 +186,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.momenta = [torch.zeros_like(p) for p in self.outer_params]
             grads = [torch.zeros_like(p) for p in self.outer_params]
         self.outer_step = self.inner_done = self.samples = self.samples_total = 0
+        self.resumed = False  # set by load_state_dict: this peer continues a checkpoint of its own (see join)
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
         self.steps_per_second = 0.0
         self.started = get_dht_time()
@@ -367,6 +372,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         leader = min([me, *others.values()], key=lambda r: (-r.outer_step, r.started, r.peer))
         if leader.peer == me.peer:
             return False
+        if self.resumed and leader.outer_step <= self.outer_step:
+            # a peer resumed from its own checkpoint at the swarm's outer step keeps its inner progress (downloading
+            # would replace its half-way inner parameters by the outer ones); a stale checkpoint (the swarm is at a
+            # later outer step) is dropped for the swarm's state below, as a peer that missed a sync does
+            logger.info(f"Resumed at outer step {self.outer_step}, inner step {self.inner_done}: keeping this state")
+            return False
         logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
         # peers that start a run together (min_peers) each make the first outer step's H inner steps: a peer that
         # started a moment earlier waits for the others at its sync point instead of shortening their first round
@@ -463,6 +474,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "inner_done": self.inner_done,
                 "outer_params": [t.clone() for t in self.outer_params],
                 "momenta": [t.clone() for t in self.momenta],
+                "samples": self.samples,
+                "samples_total": self.samples_total,
             }
         return state
 
@@ -477,6 +490,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 ):
                     target.copy_(source)
                 self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
+                # the pseudo-gradient's weight counts the samples of this round from before the restart too
+                self.samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
+                self.samples_total = int(saved.get("samples_total", self.samples_total))
+                self.resumed = True
+            self.averager.state_sharing_priority = float(self.outer_step)
+            self._publish()  # at once: a peer about to sync must not see this one at the outer step it started with
 
     def shutdown(self) -> None:
         self._stop.set()
