@@ -433,6 +433,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "steps_per_second": self.steps_per_second,
             "time": get_dht_time(),
             "started": self.started,
+            **total_traffic([self.averager]),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
     def _publish(self, wait: bool = False) -> None:

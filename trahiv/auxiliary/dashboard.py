@@ -7,6 +7,7 @@
     GET /api/summary       the run at a glance (Summary)
     GET /api/steps         per collaborative step: loss, active peers, samples/s, samples (Steps); ?limit=N: the last N
     GET /api/leaderboard   contributors, most samples first, with their share (Leaderboard); ?limit=N: the first N
+    GET /api/diloco        DiLoCo swarms: each peer's outer step, inner steps, averaging bytes sent / received
     GET /memory            the memory calculator (trahiv.web.memory_page), for volunteers sizing their machines
 
 Bad or unknown query parameters answer 422 with FastAPI's {"detail": [{"loc", "msg"}]}. The dashboard only reads the
@@ -237,6 +238,11 @@ def create_app(source: MetricsSource, *, refresh_seconds: float = 5.0, title: st
     @app.get("/api/leaderboard", name="leaderboard", summary="contributors by samples contributed")
     def leaderboard_api(query: Annotated[LeaderboardQuery, Query()]) -> Leaderboard:
         return leaderboard(source, query.limit)
+
+    @app.get("/api/diloco", name="diloco", summary="DiLoCo swarms: each peer's outer step and averaging bytes")
+    def diloco_api() -> dict[str, Any]:
+        rows = source.diloco_peers() if hasattr(source, "diloco_peers") else []
+        return {"diloco": source.meta().get("mode") == "diloco", "peers": rows}
 
     @app.get("/", name="page", response_class=HTMLResponse, summary="the dashboard page")
     def page(request: Request) -> HTMLResponse:

@@ -122,6 +122,11 @@ def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
         hub_repo=args.hub_repo,
         hub_private=args.hub_private,
     )
+    if peer.config.diloco is not None:  # [DiLoCo] checkpoints of the outer parameters, at outer steps
+        from trahiv.auxiliary.diloco import DiLoCoStateKeeper
+
+        peer.add_service(DiLoCoStateKeeper(config))
+        return
     from trahiv.auxiliary.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
 
     peer.add_service(StateKeeper(config))

@@ -1,0 +1,91 @@
+"""The auxiliary peer in a DiLoCo swarm (trahiv.auxiliary.diloco): its checkpoints hold the outer parameters at an
+outer step (those every trainer holds right after that sync), and its store shows each peer's outer step and bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from swarm_helpers import ENV, start_peer, stop, wait_for
+
+from trahiv.auxiliary.checkpoints import list_checkpoints, load_checkpoint
+from trahiv.auxiliary.store import MetricsStore, default_store_url
+
+pytestmark = pytest.mark.swarm
+
+RUN = "diloco_aux"
+INNER_STEPS = 4
+
+
+def sha256(tensor: torch.Tensor) -> str:  # as tests/diloco_worker.py records the trainable tensors after each sync
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def start_aux(tmp: Path, workdir: Path) -> tuple[subprocess.Popen, Path, list[str]]:
+    """`trahiv aux` with the trainers' config (its `diloco` section), keeping a checkpoint of every outer step."""
+    out, addresses, log = tmp / "auxiliary", tmp / "aux-addresses.json", tmp / "aux.log"
+    config = {"dht": {"nat_port_map": False}, "opt": {"run_id": RUN, "target_batch_size": 1},
+              "diloco": {"inner_steps": INNER_STEPS}}  # fmt: skip
+    command = [
+        sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config), "--output-dir", str(out),
+        "--report-to", "none", "--addresses-file", str(addresses), "--period", "0.5",
+        "--model", str(workdir / "model"), "--checkpoint-every", "1", "--keep-checkpoints", "10", "--state-poll", "0.5",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def joined() -> list[str] | None:
+        if process.poll() is not None:
+            raise AssertionError(f"aux peer exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        return json.loads(addresses.read_text()) if addresses.exists() and addresses.stat().st_size else None
+
+    return process, out, wait_for(joined, 90, "the aux peer")
+
+
+def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_path, workdir):
+    aux, out, initial_peers = start_aux(tmp_path, workdir)
+    store = MetricsStore(default_store_url(out))
+    common = {"workdir": str(workdir), "run_id": RUN, "initial_peers": initial_peers, "batch_size": 2,
+              "inner_steps": INNER_STEPS, "max_steps": 3 * INNER_STEPS, "sleep_per_step": 0.2,
+              "diloco": {"compression": "none"}, "opt": {"min_peers": 2}}  # fmt: skip
+    peers = [start_peer(tmp_path, name, worker="diloco_worker.py", **common) for name in ("a", "b")]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+        ids = [json.loads((peer.out / "ready.json").read_text())["peer_id"] for peer in peers]
+        sent = {peer_id: done["metrics"]["averaging_bytes_sent"] for peer_id, done in zip(ids, dones, strict=True)}
+
+        def final_rows() -> list[dict] | None:  # each peer's last progress record (published as it leaves)
+            rows = {row["peer_id"]: row for row in store.diloco_peers()}
+            done = [rows.get(peer_id) for peer_id in ids]
+            return done if all(r is not None and r["bytes_sent"] == sent[r["peer_id"]] for r in done) else None
+
+        rows = wait_for(final_rows, 30, "the peers' last DiLoCo records in the aux peer's store")
+        saved = list_checkpoints(out / "checkpoints")
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        stop(aux)
+    log = (tmp_path / "aux.log").read_text()
+    assert aux.returncode == 0, log[-3000:]
+    assert store.meta().get("mode") == "diloco"
+    for row, done in zip(rows, dones, strict=True):
+        assert row["outer_step"] == done["outer_step"] == 3, (row, done)
+        assert row["bytes_sent"] > 0 and row["bytes_received"] == done["metrics"]["averaging_bytes_received"], row
+    store.close()
+
+    assert saved, f"no checkpoint:\n{log[-3000:]}"
+    syncs = [{r["outer_step"]: r["sha256"] for r in peer.records("sync")} for peer in peers]
+    for path in saved:
+        checkpoint = load_checkpoint(path)
+        outer = checkpoint.step
+        assert path.name == f"checkpoint-{outer}" and 1 <= outer <= 3, path
+        assert checkpoint.diloco == {"outer_step": outer, "inner_steps": INNER_STEPS, "global_step": outer * 4}
+        weights = {name: sha256(t) for name, t in checkpoint.model_state_dict().items()}
+        for sync in syncs:  # the outer parameters every trainer copied into its model right after that sync
+            assert weights == sync[outer], (path, [n for n in weights if weights[n] != sync[outer].get(n)])
+        momenta = checkpoint.optimizer_state["tensors"]
+        assert len(momenta) == len(weights) and any(bool(m.abs().sum() > 0) for m in momenta)
