@@ -142,7 +142,12 @@ def main(spec_path: str) -> int:
         use_cpu=True,
         save_strategy="steps" if spec.get("save_steps") else "no",
         save_steps=spec.get("save_steps") or 1,
-        hivemind_config={"dht": dht, "opt": opt, "diloco": diloco},
+        hivemind_config={
+            "dht": dht,
+            "opt": opt,
+            "diloco": diloco,
+            **({"auth": spec["auth"]} if "auth" in spec else {}),
+        },
         seed=spec.get("seed", 42),
     )
     if spec.get("byzantine"):

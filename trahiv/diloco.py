@@ -23,6 +23,8 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
   of the samples it trained (fewer than the others' in its first round);
 - when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker);
+- in a moderated swarm, a moderator's revert order (`trahiv revert`, trahiv.revert.DiLoCoRevertFollower) puts every
+  peer back at the checkpoint's outer step, outer parameters and momenta, with fresh inner optimizer statistics;
 - the Trainer's checkpoints (`save_strategy`) hold, in `optimizer.pt`, the inner optimizer's state and the outer
   state (outer parameters, momenta, outer step, inner steps and samples of the current round): a peer restarted with
   `resume_from_checkpoint` continues at the same inner and outer step (its model file holds the half-way inner
@@ -196,6 +198,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.progress_key = f"{self.run_id}_diloco_progress"
         self.averager = self._make_averager(grads)
         self.averager.state_source = self
+        self.revert: Any = None  # [revert] trahiv.revert.DiLoCoRevertFollower in a moderated swarm
+        if getattr(swarm, "revert_watcher", None) is not None:
+            from trahiv.revert import DiLoCoRevertFollower
+
+            DiLoCoRevertFollower(swarm.revert_watcher).attach(self)
         self._publish()  # at once: peers about to sync must know this one is here
         self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_periodically, name="trahiv-diloco", daemon=True)
@@ -239,6 +246,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         loss = self.inner.step(closure)
+        if self.revert is not None and self.revert.maybe_apply(self):  # a moderator's order: this step is dropped
+            self._last_step_at = time.monotonic()
+            return loss
         now = time.monotonic()
         if self._last_step_at is not None:  # steps/s of inner steps only (a sync's wait does not count)
             rate = 1.0 / max(now - self._last_step_at, 1e-6)
@@ -291,7 +301,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         records = [PeerProgress.parse(getattr(entry, "value", None)) for entry in entries.values()]
         own = self.swarm.peer_id
-        self.peers = {r.peer: r for r in records if r is not None and r.peer != own}
+        allowed = self.revert.allowed_peers() if self.revert is not None else None  # after a revert: those that did
+        self.peers = {
+            r.peer: r for r in records if r is not None and r.peer != own and (allowed is None or r.peer in allowed)
+        }
         return self.peers
 
     def _swarm_is_ahead(self) -> bool:
@@ -415,6 +428,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
         return True
+
+    def revert_to(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """[revert] Restart from a checkpoint's outer state (see trahiv.revert.DiLoCoRevertFollower)."""
+        with torch.no_grad(), self._lock:
+            for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
+                target.copy_(source)
+            self.outer_step, self.inner_done, self.samples = int(metadata["epoch"]), 0, 0
+            self.inner.state.clear()  # (the same dict as self.state) fresh statistics, as at the run's start
+            self._copy_outer_to_model()
+        self.averager.state_sharing_priority = float(self.outer_step)
+        self._publish()
 
     def resume_at(self, global_step: int) -> None:
         """A checkpoint of this trainer was loaded: continue the step count from it."""

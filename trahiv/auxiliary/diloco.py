@@ -34,9 +34,28 @@ from trahiv.engine.gate import gated
 
 logger = logging.getLogger("trahiv.auxiliary.diloco")
 
-__all__ = ["DiLoCoMirror", "DiLoCoMonitor", "DiLoCoStateKeeper", "diloco_peers", "progress_key"]
+__all__ = [
+    "DiLoCoMirror",
+    "DiLoCoMonitor",
+    "DiLoCoStateKeeper",
+    "diloco_peers",
+    "is_diloco_state",
+    "momentum_metadata",
+    "progress_key",
+]
 
 MOMENTUM_ROLE = "outer_momentum"
+
+
+def momentum_metadata(count: int) -> list[dict[str, Any]]:
+    """The `optimizer_state.pt` metadata of a DiLoCo checkpoint: one tensor entry per outer momentum."""
+    return [{"type": "tensor", "index": i, "role": MOMENTUM_ROLE} for i in range(count)]
+
+
+def is_diloco_state(state: SwarmState) -> bool:
+    """Whether a checkpoint's state is a DiLoCo swarm's outer state (its optimizer tensors are outer momenta)."""
+    entries = state.optimizer_metadata
+    return bool(entries) and all(entry.get("role") == MOMENTUM_ROLE for entry in entries)
 
 
 def progress_key(run_id: str) -> str:
@@ -133,8 +152,24 @@ class DiLoCoMirror(DiLoCoAverager):
     def _expected_state_shapes(self) -> list[tuple] | None:
         return self._shapes + self._shapes
 
+    def serve(self, state: SwarmState) -> None:
+        """Serve `state` (outer parameters + momenta at outer step `state.step`) to peers that ask this one."""
+        self.state_source = _Served(state)
+        self.allow_state_sharing = True
+        self.state_sharing_priority = float(state.step)
+
     def download(self, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         return self.load_state_from_peers(timeout=timeout)
+
+
+class _Served:
+    """What DiLoCoAverager.get_current_state serves (a trainer's DiLoCoOptimizer offers the same `outer_state`)."""
+
+    def __init__(self, state: SwarmState):
+        self.outer_params, self.momenta, self.step = state.parameters, state.optimizer_tensors, state.step
+
+    def outer_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        return {"epoch": self.step}, [*self.outer_params, *self.momenta], None
 
 
 class DiLoCoStateKeeper(StateKeeper):
@@ -185,8 +220,7 @@ class DiLoCoStateKeeper(StateKeeper):
             return None
         if held is not None and outer_step <= held:
             return None
-        momenta = [{"type": "tensor", "index": i, "role": MOMENTUM_ROLE} for i in range(count)]
-        state = SwarmState(outer_step, list(tensors[:count]), momenta, list(tensors[count:]))
+        state = SwarmState(outer_step, list(tensors[:count]), momentum_metadata(count), list(tensors[count:]))
         self._check_model(state)
         steps = inner_steps if type(inner_steps) is int and inner_steps > 0 else None
         info = {"outer_step": outer_step, "inner_steps": steps, "global_step": outer_step * steps if steps else None}
