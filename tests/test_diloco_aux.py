@@ -13,10 +13,14 @@ import pytest
 import torch
 from swarm_helpers import ENV, start_peer, stop, wait_for
 
-from trahiv.auxiliary.checkpoints import list_checkpoints, load_checkpoint
+from trahiv.auxiliary.checkpoints import (
+    SwarmState,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    swarm_parameters,
+)
 from trahiv.auxiliary.store import MetricsStore, default_store_url
-
-pytestmark = pytest.mark.swarm
 
 RUN = "diloco_aux"
 INNER_STEPS = 4
@@ -46,6 +50,29 @@ def start_aux(tmp: Path, workdir: Path) -> tuple[subprocess.Popen, Path, list[st
     return process, out, wait_for(joined, 90, "the aux peer")
 
 
+def test_keeper_sets_aside_outer_steps_after_a_revert(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from trahiv.auxiliary.diloco import DiLoCoStateKeeper, momentum_metadata
+    from trahiv.auxiliary.state import StateKeeperConfig
+    from trahiv.demo import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, n_embd=32, n_head=2))
+    params = [p.detach().clone() for _, p in swarm_parameters(model)]
+    folder = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        state = SwarmState(step, [p + step for p in params], momentum_metadata(len(params)), params)
+        save_checkpoint(folder, state, model, run_id=RUN, extra={"diloco": {"outer_step": step}})
+    keeper = DiLoCoStateKeeper(StateKeeperConfig(model="unused", checkpoint_dir=str(folder)), model=model)
+    keeper.held = 3
+    moved = keeper.apply_revert(revert_id=7, step=1)
+    assert sorted(path.name for path in moved) == ["checkpoint-2", "checkpoint-3"]
+    assert [path.name for path in list_checkpoints(folder)] == ["checkpoint-1"]
+    assert keeper.held == 1  # the next checkpoint: outer step 2 of the reverted swarm
+    assert (folder / "reverted-7" / "checkpoint-3" / "trahiv_state.json").exists()
+
+
+@pytest.mark.swarm
 def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_path, workdir):
     aux, out, initial_peers = start_aux(tmp_path, workdir)
     store = MetricsStore(default_store_url(out))

@@ -13,20 +13,28 @@ parameters.
   outer steps); the model files hold the outer parameters, `optimizer_state.pt` the outer momenta (one tensor entry
   per parameter, `"role": "outer_momentum"`), and `trahiv_state.json` adds `"diloco": {"outer_step", "inner_steps",
   "global_step"}` (global_step = outer_step x inner_steps, the trainers' `state.global_step` right after that sync).
-  Not served to joiners (they download the outer state from trainers).
+  Not served to joiners (they download the outer state from trainers). In a moderated swarm a revert order to outer
+  step N moves the checkpoints of later outer steps to `reverted-<order id>/`, as in the synchronous mode.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trahiv import engine
-from trahiv.auxiliary.checkpoints import SwarmState, prune_checkpoints, save_checkpoint
+from trahiv.auxiliary.checkpoints import (
+    SwarmState,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from trahiv.auxiliary.keeper import StateKeeper
 from trahiv.diloco import PeerProgress
 from trahiv.engine.diloco import DiLoCoAverager
@@ -199,11 +207,18 @@ class DiLoCoStateKeeper(StateKeeper):
     def step(self) -> int | None:
         return self.held
 
-    def follow_revert(self) -> bool:
-        return False  # (revert orders in DiLoCo swarms: not followed by this keeper yet)
+    def apply_revert(self, revert_id: int, step: int, grace: float = 0.0) -> list[Path]:
+        """A moderator reverted the swarm to outer step `step`: later checkpoints go to `reverted-<id>/` (see
+        StateKeeper.apply_revert), and the next checkpoint is the first outer step after the newest one left."""
+        moved = super().apply_revert(revert_id, step, grace)
+        remaining = latest_checkpoint(self.config.checkpoint_dir)
+        self.held = None if remaining is None else load_checkpoint(remaining).step
+        return moved
 
     def poll(self) -> Path | None:
         """If the swarm's outer step crossed a multiple of `checkpoint_every`, download the outer state and save it."""
+        if time.monotonic() < self._paused_until:  # a revert's grace period: peers may still be at later steps
+            return None
         every, held = self.config.checkpoint_every, self.held
         newest = max((row["outer_step"] for row in diloco_peers(self._dht, self.run_id)), default=0)
         if newest < 1 or (held is not None and newest // every <= held // every):
