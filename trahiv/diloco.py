@@ -518,7 +518,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # the pseudo-gradient's weight counts the samples of this round from before the restart too
                 self.samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
                 self.samples_total = int(saved.get("samples_total", self.samples_total))
-                self.resumed = True
+                # (accelerate's optimizer wrapper also round-trips the fresh state through load_state_dict when it
+                # wraps the optimizer: only a state with progress is a checkpoint's)
+                self.resumed = self.global_step > 0
             self.averager.state_sharing_priority = float(self.outer_step)
             self._publish()  # at once: a peer about to sync must not see this one at the outer step it started with
 
