@@ -72,6 +72,41 @@ def test_keeper_sets_aside_outer_steps_after_a_revert(tmp_path):
     assert (folder / "reverted-7" / "checkpoint-3" / "trahiv_state.json").exists()
 
 
+PEER = "12D3KooWCMqkmGbLW8rYCgpNaaVFH5xaVMaAx5wNVfYD7jZ3Z9D5"
+
+
+def test_dashboard_shows_diloco_peers(tmp_path):
+    import shutil
+    import time
+
+    from fastapi.testclient import TestClient
+    from test_dashboard import Page, chromium
+
+    from trahiv.auxiliary.dashboard import DashboardServer, create_app
+
+    store = MetricsStore(default_store_url(tmp_path))
+    row = {"outer_step": 7, "inner_done": 3, "inner_steps": 4, "steps_per_second": 2.0, "bytes_sent": 1234,
+           "bytes_received": 5678, "last_seen": time.time()}  # fmt: skip
+    store.upsert_diloco_peer(PEER, **row)
+    store.upsert_diloco_peer(PEER, **{**row, "outer_step": 8})  # the latest record replaces the earlier one
+    store.upsert_diloco_peer("Qm" + "a" * 44, **{**row, "outer_step": 2})
+    answer = TestClient(create_app(store)).get("/api/diloco").json()
+    assert answer["diloco"] is False  # (the mode is set by the DiLoCoMonitor: from the config or the first record)
+    assert [(r["peer_id"], r["outer_step"]) for r in answer["peers"]] == [(PEER, 8), ("Qm" + "a" * 44, 2)]
+    store.set_meta("mode", "diloco")
+    if shutil.which("chromium") is None:
+        return
+    with DashboardServer(store, port=0, refresh_seconds=1.0) as server:
+        done = chromium(server.url, tmp_path, "--dump-dom")
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = Page(done.stdout)
+    assert page.by_id["diloco-board"]["attrs"].get("hidden") is None
+    text = page.text("diloco")  # (the cells' texts, concatenated): the newest outer step first
+    first = f"peer …{PEER[-8:]}" + "8" + "3 / 4" + "1.2 kB" + "5.7 kB"
+    assert first in text and text.index(first) < text.index("peer …aaaaaaaa2"), text
+    store.close()
+
+
 @pytest.mark.swarm
 def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_path, workdir):
     aux, out, initial_peers = start_aux(tmp_path, workdir)

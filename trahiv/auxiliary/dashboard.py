@@ -1,7 +1,8 @@
 """The auxiliary peer's dashboard: a web page and a JSON API over its MetricsStore (FastAPI, served by uvicorn).
 
     GET /                  the page: current collaborative step and ETA to max_steps, active peers, throughput, the
-                           loss curve, active peers and throughput over time, and the leaderboard of contributors. It
+                           loss curve, active peers and throughput over time, the leaderboard of contributors (and
+                           in a DiLoCo swarm each peer's outer step and averaging bytes). It
                            polls the API every `refresh_seconds` and redraws; charts by uPlot (vendored under
                            static/, MIT), nothing is loaded from another site
     GET /api/summary       the run at a glance (Summary)
@@ -258,6 +259,7 @@ def render_page(request: Request, refresh_seconds: float, title: str) -> str:
         "__SUMMARY__": request.url_for("summary").path,
         "__STEPS__": request.url_for("steps").path,
         "__LEADERBOARD__": request.url_for("leaderboard").path,
+        "__DILOCO__": request.url_for("diloco").path,
         "__MEMORY__": request.url_for("memory_page").path,
         "__DOCS__": _docs_path(request),
     }
