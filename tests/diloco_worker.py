@@ -7,7 +7,9 @@ An unchanged Trainer script with `hivemind_config["diloco"]`. It writes into SPE
 - done.json      at the end: global step, outer step, metrics (rounds, bytes), eval loss with SPEC["eval_blocks"]
 - final.pt       with SPEC["save_final"]: the final named parameters
 With SPEC["byzantine"] = {"attack": ..., "factor": x} the peer corrupts its pseudo-gradients before every all-reduce
-(the attacks of tests/peer_worker.py).
+(the attacks of tests/peer_worker.py). SPEC["save_steps"] saves Trainer checkpoints every that many inner steps and
+SPEC["resume"] resumes from one; both add "state" records (at "save" and at "begin": steps, and sha256 of the outer
+parameters, momenta, model parameters and inner optimizer state).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class SyncRecorder(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         swarm = self.trainer.swarm
         self._maybe_record(state)
+        if self.spec.get("save_steps") or self.spec.get("resume"):
+            self._record_state("begin", state)
         ready = {"peer_id": swarm.peer_id, "pid": os.getpid(), "start_step": state.global_step}
         (self.out / "ready.tmp").write_text(json.dumps(ready))
         (self.out / "ready.tmp").rename(self.out / "ready.json")
@@ -47,6 +51,26 @@ class SyncRecorder(TrainerCallback):
         if self.spec.get("sleep_per_step"):
             time.sleep(self.spec["sleep_per_step"])
         self._maybe_record(state)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._record_state("save", state)
+
+    def _record_state(self, at: str, state) -> None:
+        diloco = self.trainer.swarm.diloco
+        inner = [t for s in diloco.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        line = {
+            "kind": "state",
+            "at": at,
+            "global_step": state.global_step,
+            "outer_step": diloco.outer_step,
+            "inner_done": diloco.inner_done,
+            "outer_params": digest(diloco.outer_params),
+            "momenta": digest(diloco.momenta),
+            "momenta_norm": sum(float(m.norm()) for m in diloco.momenta),
+            "model": digest([p for p in diloco.params]),
+            "inner_state": digest(inner),
+        }
+        self.records.write(json.dumps(line) + "\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
@@ -72,6 +96,13 @@ class SyncRecorder(TrainerCallback):
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
         self.records.write(json.dumps(line) + "\n")
+
+
+def digest(tensors) -> str:
+    sha = hashlib.sha256()
+    for t in tensors:
+        sha.update(t.detach().float().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
@@ -109,8 +140,14 @@ def main(spec_path: str) -> int:
         report_to=[],
         disable_tqdm=True,
         use_cpu=True,
-        save_strategy="no",
-        hivemind_config={"dht": dht, "opt": opt, "diloco": diloco},
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps") or 1,
+        hivemind_config={
+            "dht": dht,
+            "opt": opt,
+            "diloco": diloco,
+            **({"auth": spec["auth"]} if "auth" in spec else {}),
+        },
         seed=spec.get("seed", 42),
     )
     if spec.get("byzantine"):
@@ -120,7 +157,7 @@ def main(spec_path: str) -> int:
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.add_callback(SyncRecorder(trainer, spec, out))
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=spec.get("resume"))
     diloco_opt = trainer.swarm.diloco
     done = {
         "global_step": trainer.state.global_step,

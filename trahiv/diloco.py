@@ -22,7 +22,13 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
   swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
   of the samples it trained (fewer than the others' in its first round);
-- when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker).
+- when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker);
+- in a moderated swarm, a moderator's revert order (`trahiv revert`, trahiv.revert.DiLoCoRevertFollower) puts every
+  peer back at the checkpoint's outer step, outer parameters and momenta, with fresh inner optimizer statistics;
+- the Trainer's checkpoints (`save_strategy`) hold, in `optimizer.pt`, the inner optimizer's state and the outer
+  state (outer parameters, momenta, outer step, inner steps and samples of the current round): a peer restarted with
+  `resume_from_checkpoint` continues at the same inner and outer step (its model file holds the half-way inner
+  parameters); if the swarm reached a later outer step meanwhile, it adopts the swarm's outer state instead.
 
 `state.global_step` counts inner steps in the swarm's timeline: outer_step x H + inner steps done this round.
 """
@@ -182,6 +188,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.momenta = [torch.zeros_like(p) for p in self.outer_params]
             grads = [torch.zeros_like(p) for p in self.outer_params]
         self.outer_step = self.inner_done = self.samples = self.samples_total = 0
+        self.resumed = False  # set by load_state_dict: this peer continues a checkpoint of its own (see join)
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
         self.steps_per_second = 0.0
         self.started = get_dht_time()
@@ -191,6 +198,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.progress_key = f"{self.run_id}_diloco_progress"
         self.averager = self._make_averager(grads)
         self.averager.state_source = self
+        self.revert: Any = None  # [revert] trahiv.revert.DiLoCoRevertFollower in a moderated swarm
+        if getattr(swarm, "revert_watcher", None) is not None:
+            from trahiv.revert import DiLoCoRevertFollower
+
+            DiLoCoRevertFollower(swarm.revert_watcher).attach(self)
         self._publish()  # at once: peers about to sync must know this one is here
         self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_periodically, name="trahiv-diloco", daemon=True)
@@ -234,6 +246,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         loss = self.inner.step(closure)
+        if self.revert is not None and self.revert.maybe_apply(self):  # a moderator's order: this step is dropped
+            self._last_step_at = time.monotonic()
+            return loss
         now = time.monotonic()
         if self._last_step_at is not None:  # steps/s of inner steps only (a sync's wait does not count)
             rate = 1.0 / max(now - self._last_step_at, 1e-6)
@@ -286,7 +301,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         records = [PeerProgress.parse(getattr(entry, "value", None)) for entry in entries.values()]
         own = self.swarm.peer_id
-        self.peers = {r.peer: r for r in records if r is not None and r.peer != own}
+        allowed = self.revert.allowed_peers() if self.revert is not None else None  # after a revert: those that did
+        self.peers = {
+            r.peer: r for r in records if r is not None and r.peer != own and (allowed is None or r.peer in allowed)
+        }
         return self.peers
 
     def _swarm_is_ahead(self) -> bool:
@@ -367,6 +385,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         leader = min([me, *others.values()], key=lambda r: (-r.outer_step, r.started, r.peer))
         if leader.peer == me.peer:
             return False
+        if self.resumed and leader.outer_step <= self.outer_step:
+            # a peer resumed from its own checkpoint at the swarm's outer step keeps its inner progress (downloading
+            # would replace its half-way inner parameters by the outer ones); a stale checkpoint (the swarm is at a
+            # later outer step) is dropped for the swarm's state below, as a peer that missed a sync does
+            logger.info(f"Resumed at outer step {self.outer_step}, inner step {self.inner_done}: keeping this state")
+            return False
         logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
         # peers that start a run together (min_peers) each make the first outer step's H inner steps: a peer that
         # started a moment earlier waits for the others at its sync point instead of shortening their first round
@@ -405,6 +429,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
         return True
 
+    def revert_to(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """[revert] Restart from a checkpoint's outer state (see trahiv.revert.DiLoCoRevertFollower)."""
+        with torch.no_grad(), self._lock:
+            for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
+                target.copy_(source)
+            self.outer_step, self.inner_done, self.samples = int(metadata["epoch"]), 0, 0
+            self.inner.state.clear()  # (the same dict as self.state) fresh statistics, as at the run's start
+            self._copy_outer_to_model()
+        self.averager.state_sharing_priority = float(self.outer_step)
+        self._publish()
+
     def resume_at(self, global_step: int) -> None:
         """A checkpoint of this trainer was loaded: continue the step count from it."""
         self.outer_step, self.inner_done = divmod(global_step, self.cfg.inner_steps)
@@ -422,6 +457,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "steps_per_second": self.steps_per_second,
             "time": get_dht_time(),
             "started": self.started,
+            **total_traffic([self.averager]),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
     def _publish(self, wait: bool = False) -> None:
@@ -463,6 +499,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "inner_done": self.inner_done,
                 "outer_params": [t.clone() for t in self.outer_params],
                 "momenta": [t.clone() for t in self.momenta],
+                "samples": self.samples,
+                "samples_total": self.samples_total,
             }
         return state
 
@@ -477,6 +515,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 ):
                     target.copy_(source)
                 self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
+                # the pseudo-gradient's weight counts the samples of this round from before the restart too
+                self.samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
+                self.samples_total = int(saved.get("samples_total", self.samples_total))
+                # (accelerate's optimizer wrapper also round-trips the fresh state through load_state_dict when it
+                # wraps the optimizer: only a state with progress is a checkpoint's)
+                self.resumed = self.global_step > 0
+            self.averager.state_sharing_priority = float(self.outer_step)
+            self._publish()  # at once: a peer about to sync must not see this one at the outer step it started with
 
     def shutdown(self) -> None:
         self._stop.set()

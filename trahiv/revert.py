@@ -44,12 +44,14 @@ logger = logging.getLogger("trahiv.revert")
 
 __all__ = [
     "GRACE_SECONDS",
+    "DiLoCoRevertFollower",
     "RevertFollower",
     "RevertWatcher",
     "fetch_server_order",
     "parameters_digest",
     "revert_key",
     "reverted_key",
+    "serve_state",
     "state_from_trainer_checkpoint",
 ]
 
@@ -320,6 +322,46 @@ class RevertFollower:
         return True
 
 
+class DiLoCoRevertFollower(RevertFollower):
+    """[DiLoCo] A DiLoCo trainer's side (trahiv.diloco), checked between two inner steps: download the order's outer
+    state (outer parameters + outer momenta of the checkpoint's outer step, `order.step`) from its source only, check
+    step and digest, and restart from it: outer parameters and momenta as in the checkpoint, the model set to them,
+    the round's inner steps dropped, the inner optimizer's statistics reset (they were built along the reverted
+    trajectory; the Trainer's LR schedule follows the new step). For `grace` seconds it then sees only the progress of
+    peers that applied the order (peers still at later outer steps would otherwise pull it back)."""
+
+    def attach(self, opt: Any) -> DiLoCoRevertFollower:  # type: ignore[override]
+        opt.revert = self
+        return self
+
+    def maybe_apply(self, opt: Any) -> bool:  # type: ignore[override]
+        if time.monotonic() < self._retry_at:
+            return False
+        signed = self.watcher.pending(self.applied_id)
+        if signed is None:
+            return False
+        order = signed.order
+        loaded = None
+        if order.source:
+            try:
+                loaded = opt.averager.load_state_from(order.source, opt.config.opt.load_state_timeout)
+            except Exception as e:
+                logger.warning(f"Revert order #{order.revert_id}: the state download failed: {e!r}")
+        check = checkpoint_check(order.step, order.parameters_sha256)
+        reason = "not available" if loaded is None else check(loaded[0], loaded[1], len(opt.outer_params))
+        if loaded is None or reason is not None:
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            logger.warning(f"Revert order #{order.revert_id}: the checkpoint's outer state is {reason}; retrying")
+            return False
+        self.applied_id, self.grace_until = order.revert_id, time.monotonic() + self.grace
+        self.reverted_step = order.step
+        self.applied.append(order)
+        opt.revert_to(*loaded)
+        self.watcher.announce(order.revert_id)
+        logger.info(f"Reverted to outer step {order.step} (order #{order.revert_id})")
+        return True
+
+
 def checkpoint_check(step: int | None, digest: str) -> Callable[[dict, list[torch.Tensor], int], str | None]:
     """The checks of a downloaded state beyond the generic ones: the order's `step` and the trainable tensors'
     `digest`, where given."""
@@ -359,6 +401,8 @@ def state_from_trainer_checkpoint(path: str | Path) -> tuple[SwarmState, torch.n
         raise ValueError(f"{path} is not a Trainer checkpoint (no optimizer.pt)")
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     state_dict = torch.load(path / "optimizer.pt", weights_only=True)
+    if "diloco" in state_dict:  # [DiLoCo] the outer state (the model file holds the half-way inner parameters)
+        return diloco_state(state_dict["diloco"]), model
     step = state_dict["state"].pop("local_epoch", None)
     if not isinstance(step, int):
         raise ValueError(f"{path}/optimizer.pt has no collaborative step (local_epoch): not saved by a swarm trainer")
@@ -372,3 +416,30 @@ def state_from_trainer_checkpoint(path: str | Path) -> tuple[SwarmState, torch.n
             metadata.append({"type": "value", "value": value})
     parameters = [p.detach().clone() for _, p in swarm_parameters(model)]
     return SwarmState(step, parameters, metadata, tensors), model
+
+
+def diloco_state(saved: dict[str, Any]) -> SwarmState:
+    """[DiLoCo] The outer state a DiLoCo trainer saved (`DiLoCoOptimizer.state_dict()["diloco"]`) in the aux peer's
+    checkpoint format (trahiv.auxiliary.diloco): the outer parameters, the outer momenta as optimizer tensors."""
+    from trahiv.auxiliary.checkpoints import SwarmState
+    from trahiv.auxiliary.diloco import momentum_metadata
+
+    params, momenta = list(saved["outer_params"]), list(saved["momenta"])
+    return SwarmState(int(saved["outer_step"]), params, momentum_metadata(len(momenta)), momenta)
+
+
+def serve_state(dht: Any, run_id: str, state: SwarmState, gate: Any) -> tuple[Any, str]:
+    """An averager serving `state` to the swarm's trainers, and the DHT prefix it declares it under: a DiLoCo swarm's
+    outer state under `{run_id}_diloco` (trahiv.auxiliary.diloco), else under `{run_id}_state_averager`."""
+    from trahiv.auxiliary.diloco import DiLoCoMirror, is_diloco_state
+    from trahiv.engine.gate import gated
+    from trahiv.engine.state import StateMirror
+
+    if is_diloco_state(state):
+        shapes = [tuple(t.shape) for t in state.parameters]
+        mirror = gated(DiLoCoMirror, gate)(dht=dht, run_id=run_id, shapes=shapes)
+        mirror.serve(state)
+        return mirror, f"{run_id}_diloco"
+    mirror = gated(StateMirror, gate)(dht=dht, run_id=run_id)
+    mirror.serve(state)
+    return mirror, f"{run_id}_state_averager"

@@ -137,12 +137,14 @@ def save_checkpoint(
     source: str = "",
     keep: int | None = None,
     tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `state` as `directory/checkpoint-<step>` and return its path (an existing one is left as it is).
 
     `model` is a transformers model of the swarm's architecture: the state's tensors are copied into its trainable
     parameters (in `swarm_parameters` order) before `save_pretrained`. With `keep`, only the newest `keep`
-    checkpoints stay. The folder appears complete or not at all."""
+    checkpoints stay; `extra` goes into trahiv_state.json (DiLoCo: `{"diloco": {...}}`, see trahiv.auxiliary.diloco).
+    The folder appears complete or not at all."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"checkpoint-{state.step}"
@@ -171,6 +173,7 @@ def save_checkpoint(
             "optimizer_tensors": len(state.optimizer_tensors),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": source,
+            **(extra or {}),
         }
         (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
         if target.exists():  # a folder without STATE_FILE: a leftover, not a checkpoint
@@ -235,6 +238,7 @@ class SwarmCheckpoint:
     run_id: str
     parameter_names: list[str]
     optimizer_state: dict[str, Any]
+    diloco: dict[str, Any] | None = None  # a DiLoCo swarm's outer state: {"outer_step", "inner_steps", "global_step"}
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable tensors by name, in the swarm's order."""
@@ -274,8 +278,9 @@ def load_checkpoint(path: str | Path) -> SwarmCheckpoint:
     if len(optimizer_state.get("tensors", ())) != info["optimizer_tensors"]:
         raise ValueError(f"{path}: {OPTIMIZER_FILE} does not hold {info['optimizer_tensors']} tensors")
     return SwarmCheckpoint(
-        path, int(info["step"]), info.get("run_id", ""), list(info["parameter_names"]), optimizer_state
-    )
+        path, int(info["step"]), info.get("run_id", ""), list(info["parameter_names"]), optimizer_state,
+        info.get("diloco"),
+    )  # fmt: skip
 
 
 def load_optimizer_state_into(optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any]) -> None:

@@ -1,12 +1,14 @@
 """The auxiliary peer's dashboard: a web page and a JSON API over its MetricsStore (FastAPI, served by uvicorn).
 
     GET /                  the page: current collaborative step and ETA to max_steps, active peers, throughput, the
-                           loss curve, active peers and throughput over time, and the leaderboard of contributors. It
+                           loss curve, active peers and throughput over time, the leaderboard of contributors (and
+                           in a DiLoCo swarm each peer's outer step and averaging bytes). It
                            polls the API every `refresh_seconds` and redraws; charts by uPlot (vendored under
                            static/, MIT), nothing is loaded from another site
     GET /api/summary       the run at a glance (Summary)
     GET /api/steps         per collaborative step: loss, active peers, samples/s, samples (Steps); ?limit=N: the last N
     GET /api/leaderboard   contributors, most samples first, with their share (Leaderboard); ?limit=N: the first N
+    GET /api/diloco        DiLoCo swarms: each peer's outer step, inner steps, averaging bytes sent / received
     GET /memory            the memory calculator (trahiv.web.memory_page), for volunteers sizing their machines
 
 Bad or unknown query parameters answer 422 with FastAPI's {"detail": [{"loc", "msg"}]}. The dashboard only reads the
@@ -238,6 +240,11 @@ def create_app(source: MetricsSource, *, refresh_seconds: float = 5.0, title: st
     def leaderboard_api(query: Annotated[LeaderboardQuery, Query()]) -> Leaderboard:
         return leaderboard(source, query.limit)
 
+    @app.get("/api/diloco", name="diloco", summary="DiLoCo swarms: each peer's outer step and averaging bytes")
+    def diloco_api() -> dict[str, Any]:
+        rows = source.diloco_peers() if hasattr(source, "diloco_peers") else []
+        return {"diloco": source.meta().get("mode") == "diloco", "peers": rows}
+
     @app.get("/", name="page", response_class=HTMLResponse, summary="the dashboard page")
     def page(request: Request) -> HTMLResponse:
         return HTMLResponse(render_page(request, refresh_seconds, title))
@@ -252,6 +259,7 @@ def render_page(request: Request, refresh_seconds: float, title: str) -> str:
         "__SUMMARY__": request.url_for("summary").path,
         "__STEPS__": request.url_for("steps").path,
         "__LEADERBOARD__": request.url_for("leaderboard").path,
+        "__DILOCO__": request.url_for("diloco").path,
         "__MEMORY__": request.url_for("memory_page").path,
         "__DOCS__": _docs_path(request),
     }

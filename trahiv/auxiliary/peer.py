@@ -71,6 +71,7 @@ class AuxPeer:
         self.revert_watcher: Any = None  # trahiv.revert.RevertWatcher in a moderated swarm
         self.store: MetricsStore | None = None
         self.collector: Collector | None = None
+        self.diloco_monitor: Any = None  # trahiv.auxiliary.diloco.DiLoCoMonitor: DiLoCo peers' outer steps and bytes
         self.initial_peers: list[str] = []
         self.services: list[AuxService] = []
         self._started: list[AuxService] = []
@@ -116,6 +117,11 @@ class AuxPeer:
             self.announce(f"To join the training, use initial_peers = {self.initial_peers}")
             self.collector = Collector(self.dht, self.run_id, self.store, trackers, period=self.period)
             self.collector.start()
+            from trahiv.auxiliary.diloco import DiLoCoMonitor  # [DiLoCo] (from the config or the peers' records)
+
+            diloco = self.config.diloco is not None
+            self.diloco_monitor = DiLoCoMonitor(self.dht, self.run_id, self.store, period=self.period, diloco=diloco)
+            self.diloco_monitor.start()
             for service in self.services:
                 service.start(self)
                 self._started.append(service)
@@ -160,6 +166,9 @@ class AuxPeer:
             except Exception as e:
                 logger.warning(f"Stopping {type(service).__name__} failed: {e!r}")
         self._started = []
+        if self.diloco_monitor is not None:
+            self.diloco_monitor.stop()
+            self.diloco_monitor = None
         if self.collector is not None:
             self.collector.stop(timeout=max(5.0, 2 * self.period))
             self.collector = None

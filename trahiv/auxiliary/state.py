@@ -97,6 +97,11 @@ def attach(peer: AuxPeer, args: argparse.Namespace) -> None:
     if given.get("push_to_hub") and not given.get("hub_repo"):
         raise ValueError("--push-to-hub needs --hub-repo (the Hub model repo id, e.g. my-org/my-model)")
     config = flags.build(args, base={"checkpoint_dir": str(Path(peer.output_dir) / "checkpoints")})
+    if peer.config.diloco is not None:  # [DiLoCo] checkpoints of the outer parameters, at outer steps
+        from trahiv.auxiliary.diloco import DiLoCoStateKeeper
+
+        peer.add_service(DiLoCoStateKeeper(config))
+        return
     from trahiv.auxiliary.keeper import StateKeeper  # torch, transformers, hivemind: only when asked
 
     peer.add_service(StateKeeper(config))

@@ -21,6 +21,8 @@ from sqlalchemy.pool import StaticPool
 __all__ = ["MetricsStore", "default_store_url"]
 
 STEP_KEYS = ("step", "time", "loss", "active_peers", "samples_per_second", "samples")
+DILOCO_KEYS = ("peer_id", "outer_step", "inner_done", "inner_steps", "steps_per_second", "bytes_sent", "bytes_received",
+               "last_seen")  # fmt: skip
 CONTRIBUTOR_KEYS = ("peer_id", "name", "device", "samples", "seconds", "first_seen", "last_seen")
 
 _metadata = sa.MetaData()
@@ -47,6 +49,18 @@ _contributors = sa.Table(
     # what the peer's earlier sessions contributed (its counters restart with each process): for the collector
     sa.Column("base_samples", sa.BigInteger, nullable=False, default=0),
     sa.Column("base_seconds", sa.Float, nullable=False, default=0.0),
+)
+_diloco_peers = sa.Table(  # DiLoCo swarms (trahiv.auxiliary.diloco): each peer's latest progress record
+    "diloco_peers",
+    _metadata,
+    sa.Column("peer_id", sa.String(128), primary_key=True),
+    sa.Column("outer_step", sa.Integer, nullable=False),
+    sa.Column("inner_done", sa.Integer, nullable=False),
+    sa.Column("inner_steps", sa.Integer, nullable=False),
+    sa.Column("steps_per_second", sa.Float, nullable=False),
+    sa.Column("bytes_sent", sa.BigInteger, nullable=False),  # averaging_bytes_sent, cumulative, this peer's session
+    sa.Column("bytes_received", sa.BigInteger, nullable=False),
+    sa.Column("last_seen", sa.Float, nullable=False),
 )
 _meta = sa.Table(
     "meta",
@@ -123,6 +137,20 @@ class MetricsStore:
             updated = conn.execute(sa.update(_contributors).where(_contributors.c.peer_id == peer_id).values(**values))
             if updated.rowcount == 0:
                 conn.execute(sa.insert(_contributors).values(peer_id=peer_id, first_seen=float(last_seen), **values))
+
+    def upsert_diloco_peer(self, peer_id: str, **values: Any) -> None:
+        """Create or replace a DiLoCo peer's row (its latest progress record; keys: DILOCO_KEYS)."""
+        row = {key: values[key] for key in DILOCO_KEYS if key != "peer_id"}
+        with self._lock, self._engine.begin() as conn:
+            conn.execute(sa.delete(_diloco_peers).where(_diloco_peers.c.peer_id == peer_id))
+            conn.execute(sa.insert(_diloco_peers).values(peer_id=peer_id, **row))
+
+    def diloco_peers(self) -> list[dict]:
+        """DiLoCo peers, highest outer step first."""
+        c = _diloco_peers.c
+        query = sa.select(*(c[key] for key in DILOCO_KEYS)).order_by(c.outer_step.desc(), c.peer_id)
+        with self._lock, self._engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
 
     def set_meta(self, key: str, value: str) -> None:
         with self._lock, self._engine.begin() as conn:

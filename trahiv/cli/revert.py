@@ -88,10 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from trahiv import engine
     from trahiv.auth import AuthGate
     from trahiv.auth.revert import SignedRevertOrder, verify_order
-    from trahiv.engine.gate import gated
-    from trahiv.engine.state import StateMirror
     from trahiv.lifecycle import Lifecycle, join_swarm
-    from trahiv.revert import RevertWatcher, parameters_digest
+    from trahiv.revert import RevertWatcher, parameters_digest, serve_state
     from trahiv.swarm import _start_auth
 
     digest = parameters_digest(state.parameters)
@@ -104,14 +102,13 @@ def run(args: argparse.Namespace) -> int:
         assert auth is not None  # (config.auth is set)
 
         def start_mirror() -> Any:
-            with engine.children_ignore_sigint():
-                return gated(StateMirror, AuthGate(run_id, auth.experiment_public_key))(dht=dht, run_id=run_id)
+            with engine.children_ignore_sigint():  # [DiLoCo] serve_state: a DiLoCo outer state under its own prefix
+                return serve_state(dht, run_id, state, AuthGate(run_id, auth.experiment_public_key))
 
-        mirror = lifecycle.enter("state mirror", start_mirror, lambda m: m.shutdown())
-        mirror.serve(state)
+        _mirror, prefix = lifecycle.enter("state mirror", start_mirror, lambda served: served[0].shutdown())
         peer_id = dht.peer_id.to_base58()
         print(f"Serving {args.checkpoint} (collaborative step {state.step}) as peer {peer_id}", file=sys.stderr)
-        _wait_declared(dht, run_id, state.step)
+        _wait_declared(dht, prefix, state.step)
         body = {"step": state.step, "source": peer_id, "parameters_sha256": digest, "reason": args.reason}
         signed = SignedRevertOrder.model_validate(post_revert(config.auth.server, run_id, admin_token, body))
         order = verify_order(signed, auth.experiment_public_key, run_id)  # the server signs with the key peers trust
@@ -130,11 +127,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_declared(dht: Any, run_id: str, step: int, timeout: float = 60.0) -> None:
+def _wait_declared(dht: Any, prefix: str, step: int, timeout: float = 60.0) -> None:
     """Until peers can see that this one serves `step` (its state declaration is in the DHT)."""
     own, deadline = dht.peer_id.to_bytes(), time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+        found = dht.get(f"{prefix}.all_averagers", latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         if own in entries and getattr(entries[own], "value", None) == step:
             return

@@ -2,7 +2,8 @@
 "use strict";
 (() => {
   const root = document.getElementById("dashboard");
-  const api = { summary: root.dataset.summary, steps: root.dataset.steps, leaderboard: root.dataset.leaderboard };
+  const api = { summary: root.dataset.summary, steps: root.dataset.steps, leaderboard: root.dataset.leaderboard,
+    diloco: root.dataset.diloco };
   const refreshMs = Number(root.dataset.refreshMs);
   const maxPoints = Number(root.dataset.maxPoints);
   const $ = (id) => document.getElementById(id);
@@ -142,6 +143,26 @@
     $("no-contributors").hidden = rows.length > 0;
   }
 
+  function bytes(n) {
+    const units = ["B", "kB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+    return (i === 0 ? String(n) : n.toFixed(1)) + " " + units[i];
+  }
+
+  function renderDiloco(d, serverTime) {  // DiLoCo swarms: each peer's outer step and averaging bytes
+    $("diloco-board").hidden = !d.diloco;
+    const rows = d.peers.map((p) => {
+      const tr = document.createElement("tr");
+      tr.append(cell("peer …" + p.peer_id.slice(-8), "name"), cell(integer(p.outer_step), "num outer-step"),
+        cell(p.inner_done + " / " + p.inner_steps, "num inner"), cell(bytes(p.bytes_sent), "num sent"),
+        cell(bytes(p.bytes_received), "num received"), cell(duration(Math.max(serverTime - p.last_seen, 0)) + " ago",
+          "num last-seen"));
+      return tr;
+    });
+    document.querySelector("#diloco tbody").replaceChildren(...rows);
+  }
+
   // --- polling ----------------------------------------------------------------------------------------------------
 
   async function getJson(path) {
@@ -152,12 +173,14 @@
 
   async function refresh() {
     try {
-      const [summary, steps, board] = await Promise.all([
+      const [summary, steps, board, diloco] = await Promise.all([
         getJson(api.summary), getJson(api.steps + "?limit=" + maxPoints), getJson(api.leaderboard),
+        getJson(api.diloco),
       ]);
       renderSummary(summary);
       renderCharts(steps.steps);
       renderLeaderboard(board, summary.server_time);
+      renderDiloco(diloco, summary.server_time);
       $("error").hidden = true;
       root.dataset.loaded = "true";
     } catch (error) {
