@@ -112,6 +112,7 @@ class PeerProgress:
     steps_per_second: float
     time: float
     started: float
+    revert_id: int = 0  # the newest revert order this peer applied (trahiv.revert)
 
     @classmethod
     def parse(cls, value: Any) -> PeerProgress | None:
@@ -127,9 +128,12 @@ class PeerProgress:
             return None
         if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in floats):
             return None
-        if ints[2] < 1 or floats[0] < 0:
+        revert_id = value.get("revert_id", 0)
+        if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int:
             return None
-        return cls(peer, *ints, *(float(x) for x in floats))  # type: ignore[arg-type]
+        outer_step, inner_done, inner_steps, samples = ints
+        steps_per_second, at, started = (float(x) for x in floats)
+        return cls(peer, outer_step, inner_done, inner_steps, samples, steps_per_second, at, started, revert_id)
 
     def eta(self) -> float:
         """DHT time by which this peer should reach its sync point, from its reported speed (x ETA_SLACK)."""
@@ -301,9 +305,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         records = [PeerProgress.parse(getattr(entry, "value", None)) for entry in entries.values()]
         own = self.swarm.peer_id
-        allowed = self.revert.allowed_peers() if self.revert is not None else None  # after a revert: those that did
+        # after a revert, for its grace period: only the peers that applied it too, as their own records say (the
+        # watcher's `{run_id}_reverted` announcements can arrive after the next sync: each peer then synced alone)
+        allowed = self.revert.allowed_peers() if self.revert is not None else None
+        applied = self.revert.applied_id if self.revert is not None else 0
         self.peers = {
-            r.peer: r for r in records if r is not None and r.peer != own and (allowed is None or r.peer in allowed)
+            r.peer: r
+            for r in records
+            if r is not None and r.peer != own and (allowed is None or r.peer in allowed or r.revert_id == applied)
         }
         return self.peers
 
@@ -408,11 +417,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return len(self.peers)
 
     def _adopt_swarm_state(self, prefer: str | None = None, follow_inner: bool = True) -> bool:
-        """Download outer parameters, momentum and step; start from the swarm's inner step at that outer step."""
-        timeout = self.config.opt.load_state_timeout
-        loaded = self.averager.load_state_from(prefer, timeout) if prefer is not None else None
-        if loaded is None:
-            loaded = self.averager.load_state_from_peers(timeout=timeout)
+        """Download outer parameters, momentum and step; start from the swarm's inner step at that outer step.
+
+        If the peers at that outer step are already at their sync point (averaging now), wait for the outer step they
+        are about to take and download again: starting one inner step before a sync whose group has already formed,
+        this peer would fail that sync, fall behind while it searched, download again at the next sync point, and so
+        on (seen under load: a joiner missed 3 of 5 syncs that way)."""
+        loaded = self._download(prefer)
+        if loaded is not None and follow_inner and self._wait_until_swarm_passes(int(loaded[0]["epoch"])):
+            loaded = self._download(None) or loaded  # the highest outer step served
         if loaded is None:
             return False
         metadata, tensors = loaded
@@ -428,6 +441,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
         return True
+
+    def _download(self, prefer: str | None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        timeout = self.config.opt.load_state_timeout
+        loaded = self.averager.load_state_from(prefer, timeout) if prefer is not None else None
+        return loaded if loaded is not None else self.averager.load_state_from_peers(timeout=timeout)
+
+    def _wait_until_swarm_passes(self, outer_step: int) -> bool:
+        """If peers at `outer_step` are at their sync point, wait (at most a round's timeout) until one of them
+        publishes a later outer step; True if it did (a newer outer state is then served)."""
+        if not any(r.outer_step == outer_step and r.inner_done >= r.inner_steps for r in self._others().values()):
+            return False
+        logger.info(f"The swarm is averaging outer step {outer_step}: waiting for its result before joining")
+        deadline = time.monotonic() + self.config.opt.averaging_timeout + self.config.opt.matchmaking_time
+        while time.monotonic() < deadline:
+            if any(r.outer_step > outer_step for r in self._others().values()):
+                return True
+            time.sleep(POLL_PERIOD)
+        return False
 
     def revert_to(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
         """[revert] Restart from a checkpoint's outer state (see trahiv.revert.DiLoCoRevertFollower)."""
@@ -457,6 +488,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "steps_per_second": self.steps_per_second,
             "time": get_dht_time(),
             "started": self.started,
+            "revert_id": self.revert.applied_id if self.revert is not None else 0,
             **total_traffic([self.averager]),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
