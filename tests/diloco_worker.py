@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from peer_spec import DiLoCoPeerSpec
 from peer_worker import build_model, corrupt_, eval_loss
 from transformers import TrainerCallback
 
@@ -117,7 +118,7 @@ def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
 
 def main(spec_path: str) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck peer)
-    spec = json.loads(Path(spec_path).read_text())
+    spec = DiLoCoPeerSpec.model_validate_json(Path(spec_path).read_text()).model_dump(exclude_unset=True)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     toy = spec.get("toy_grad") is not None

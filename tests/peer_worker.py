@@ -9,21 +9,28 @@ It trains with trahiv's Trainer as a user script would, and writes what the test
                   the loss of the initial and final model on the dataset's first blocks)
 - attacks.jsonl   with SPEC["byzantine"] = {"attack": "scale" | "nan" | "sign_flip" | "noise", "factor": x} (or a list
                   of them, used in turn): one line per averaging round whose gradients this peer corrupted just before
-                  sending them
+                  sending them; also one line per round a "nan" or "lie_samples" fault (SPEC["faults"]) corrupted
+
+SPEC is a tests/peer_spec.py PeerSpec; its faults fire when the collaborative step reaches their `at_step` (a record of
+kind "fault" says when).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from hivemind.averaging import DecentralizedAverager
+from peer_spec import PeerSpec
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
@@ -46,21 +53,33 @@ def corrupt_(tensors, attack: str, factor: float) -> None:
             tensor.add_(torch.randn_like(tensor) * factor)
         elif attack == "nan":
             tensor.fill_(float("nan")).view(-1)[1::2] = float("inf")
+        elif attack == "lie_samples":  # honest gradients, sent with a weight `factor` times its samples
+            pass
         else:
             raise ValueError(f"unknown attack {attack!r}")
 
 
-def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAverager]:
+ARMED_ATTACKS: list[dict] = [{"attack": "nan"}, {"attack": "lie_samples"}]  # codes 1, 2 of an armed fault
+
+
+def byzantine_averager(attacks: list[dict], log: Path, armed: Any = None) -> type[RobustGradientAverager]:
     """A gradient averager that corrupts this peer's accumulated gradients just before every all-reduce, with the
-    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends). It keeps its own
-    model finite: the parts that honest reducers refuse to send back to it (after sending NaN) revert to its true
-    gradients, so that the next rounds' attacks are made on real gradients, not on NaN."""
+    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends); with no
+    `attacks`, only in the round after a fault armed `armed` (shared memory: the averager runs in its own process). It
+    keeps its own model finite: the parts that honest reducers refuse to send back to it (after sending NaN) revert to
+    its true gradients, so that the next rounds' attacks are made on real gradients, not on NaN."""
 
     class ByzantineGradientAverager(RobustGradientAverager):
         rounds = 0
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
-            attack = attacks[self.rounds % len(attacks)]
+            if attacks:
+                attack = attacks[self.rounds % len(attacks)]
+            elif armed is not None and armed[0] > 0:
+                attack = {**ARMED_ATTACKS[int(armed[0]) - 1], "factor": armed[1]}
+                armed[0] = 0
+            else:
+                return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
             true_gradients = [tensor.detach().clone() for tensor in tensors]
             with torch.no_grad():
                 corrupt_(tensors, attack["attack"], attack.get("factor", 1.0))
@@ -68,7 +87,7 @@ def byzantine_averager(attacks: list[dict], log: Path) -> type[RobustGradientAve
             with open(log, "a") as f:
                 f.write(json.dumps(line) + "\n")
             self.rounds += 1
-            if attack["attack"] == "inflate_weight":
+            if attack["attack"] in ("inflate_weight", "lie_samples"):
                 kwargs["weight"] = kwargs["weight"] * attack["factor"]
             try:
                 await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
@@ -117,6 +136,28 @@ class ToyModel(torch.nn.Module):
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         return {"loss": (self.w * self.c).sum() + 0.0 * input_ids.float().sum()}
+
+
+class FaultInjector(TrainerCallback):
+    """Fires SPEC["faults"] when the collaborative step reaches their `at_step` (see tests/peer_spec.py)."""
+
+    def __init__(self, faults: list[dict], armed: Any, records: Any):
+        self.pending, self.armed, self.records = sorted(faults, key=lambda f: f["at_step"]), armed, records
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        while self.pending and state.global_step >= self.pending[0]["at_step"]:
+            fault = self.pending.pop(0)
+            self.records.write(
+                json.dumps({"kind": "fault", "step": state.global_step, **fault, "t": time.time()}) + "\n"
+            )
+            self.records.flush()
+            if fault["kind"] == "stall":
+                time.sleep(fault["seconds"])  # the fault itself: this peer is frozen
+            elif fault["kind"] == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:  # nan / lie_samples: the next round this peer joins
+                self.armed[1] = fault["factor"]
+                self.armed[0] = 1 + [a["attack"] for a in ARMED_ATTACKS].index(fault["kind"])
 
 
 class Recorder(TrainerCallback):
@@ -203,7 +244,8 @@ def build_model(spec: dict):
 
 
 def main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
+    parsed = PeerSpec.model_validate_json(Path(spec_path).read_text())
+    spec = {**parsed.model_dump(exclude_unset=True), "faults": [fault.model_dump() for fault in parsed.faults]}
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     toy = spec.get("toy_grad") is not None
@@ -238,16 +280,21 @@ def main(spec_path: str) -> int:
         hivemind_config={"dht": dht, "opt": opt, **{k: spec[k] for k in ("metrics", "auth") if k in spec}},
         seed=spec.get("seed", 42),
     )
-    if spec.get("byzantine"):
-        attacks = spec["byzantine"] if isinstance(spec["byzantine"], list) else [spec["byzantine"]]
-        Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl")
+    armed = mp.Array("d", 2)  # [attack code, factor], set by a fault, taken by the averager's process
+    attacks = spec.get("byzantine") or []
+    attacks = attacks if isinstance(attacks, list) else [attacks]
+    if attacks or any(f["kind"] in ("nan", "lie_samples") for f in spec.get("faults", [])):
+        Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl", armed)
     if spec.get("poison_state"):
         SwarmOptimizer.state_averager_cls = PoisonedStateAverager
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.add_callback(Recorder(trainer, spec, out))
+    recorder = Recorder(trainer, spec, out)
+    trainer.add_callback(recorder)
+    if spec.get("faults"):
+        trainer.add_callback(FaultInjector(spec["faults"], armed, recorder.records))
     result = trainer.train(resume_from_checkpoint=spec.get("resume"))
     done = {
         "global_step": trainer.state.global_step,

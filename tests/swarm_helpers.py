@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from peer_spec import spec_model
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -108,9 +109,11 @@ class Peer:
 def start_peer(tmp: Path, name: str, *, worker: str = "peer_worker.py", prefix: tuple = (), **spec: Any) -> Peer:
     """Run `worker` (a script in tests/) with `spec` as a peer named `name`; `prefix` runs it elsewhere (`ip netns`)."""
     out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
+    model = spec_model(worker)  # typed specs: a misspelt key or a wrong value fails here, naming the field
     spec = {"out": str(out), **spec}
-    (out / "spec.json").write_text(json.dumps(spec))
+    text = model.model_validate(spec).model_dump_json(exclude_unset=True) if model else json.dumps(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(text)
     log = open(out / "log.txt", "w")
     command = [*prefix, sys.executable, str(TESTS / worker), str(out / "spec.json")]
     process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)

@@ -70,3 +70,36 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
     differ = {s: (params_a[s]["checksum"], params_c[s]["checksum"]) for s in checked
               if params_c[s]["checksum"] != pytest.approx(params_a[s]["checksum"], rel=1e-6)}  # fmt: skip
     assert differ == {}, f"the late peer was out of step at {sorted(differ)} (joined at {start})"
+
+
+def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir):
+    """A peer frozen at step 3 (a fault at a named step, tests/peer_spec.py) while the other trains on: when it wakes
+    it does not replay the steps it missed or step alone; it downloads the swarm's state and holds the same parameters
+    as the other peer at every step it takes afterwards. Toy gradients differ (+1, +3): a step taken apart shows."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="stall", target=8, max_steps=9, batch_size=4, sleep_per_step=0.1,
+                  initial_peers=boot.initial_peers, opt={"min_peers": 2})  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", toy_grad=1.0, **common)
+        b = start_peer(tmp_path, "b", toy_grad=3.0, faults=[{"kind": "stall", "at_step": 3, "seconds": 8.0}], **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        boot.stop()
+    assert done_a["global_step"] == done_b["global_step"] == 9
+    rows = b.records()
+    fault = next(i for i, row in enumerate(rows) if row["kind"] == "fault")
+    assert rows[fault]["step"] == 3, rows[fault]
+    woke = [row["step"] for row in rows[fault:] if row["kind"] == "step"]
+    assert woke and woke[0] > 4, f"the stalled peer replayed the missed steps: {woke}"  # a trained on meanwhile
+    params_a = a.params_at()
+    for step in woke:
+        assert b.params_at()[step]["values"] == pytest.approx(params_a[step]["values"]), (step, woke)
+
+
+def test_a_misspelt_peer_spec_fails_before_any_process_starts(tmp_path, workdir):
+    with pytest.raises(ValueError, match="batch_sise"):
+        start_peer(tmp_path, "typo", workdir=str(workdir), run_id="typo", target=8, max_steps=1, batch_sise=4)
+    with pytest.raises(ValueError, match="at_step"):
+        start_peer(tmp_path, "late", workdir=str(workdir), run_id="typo", target=8, max_steps=1, batch_size=4,
+                   faults=[{"kind": "stall", "at_step": -1}])  # fmt: skip
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "late").exists()

@@ -1,0 +1,88 @@
+"""What a test peer runs, typed: `start_peer` validates a spec before it starts a process, so a misspelt key or a
+wrong value fails the test at once, with the field named, instead of being ignored by the worker.
+
+Faults are injected at named collaborative steps, never at a time: `Fault(kind="stall", at_step=3, seconds=40)` makes
+the peer stop for 40 s when it reaches step 3, wherever the others are by then."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Attack", "DiLoCoPeerSpec", "Fault", "PeerSpec", "spec_model"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Attack(_Strict):
+    """What a Byzantine peer sends instead of its gradients (tests/peer_worker.py `corrupt_`)."""
+
+    attack: Literal["scale", "nan", "sign_flip", "noise", "inflate_weight"]
+    factor: float = 1.0
+
+
+class Fault(_Strict):
+    """A fault the peer injects into itself when its collaborative step reaches `at_step`:
+    - stall: no local step for `seconds` (a frozen laptop, a notebook's paused kernel);
+    - die: SIGKILL to itself (its engine processes must go too);
+    - nan: the next averaging round it joins, it sends NaN/inf gradients;
+    - lie_samples: the next averaging round it joins, it claims `factor` times the samples it accumulated."""
+
+    kind: Literal["stall", "die", "nan", "lie_samples"]
+    at_step: int = Field(ge=0)
+    seconds: float = Field(0.0, ge=0)
+    factor: float = Field(1e3, gt=0)
+
+
+class _Common(_Strict):
+    out: str
+    workdir: str
+    run_id: str
+    batch_size: int = Field(ge=1)
+    max_steps: int = Field(ge=1)
+    initial_peers: list[str] = []
+    mm: float = Field(2.0, gt=0, description="matchmaking_time")
+    opt: dict[str, Any] = {}
+    auth: dict[str, Any] | None = None
+    lr: float | None = None
+    optim: str | None = None
+    scheduler: str | None = None
+    seed: int = 42
+    sleep_per_step: float = Field(0.0, ge=0)
+    toy_grad: float | None = None
+    eval_blocks: int | None = Field(None, ge=1)
+    save_steps: int | None = Field(None, ge=1)
+    resume: str | bool | None = None
+    byzantine: Attack | list[Attack] | None = None
+
+
+class PeerSpec(_Common):
+    """tests/peer_worker.py: a trainer of the synchronous mode."""
+
+    target: int = Field(ge=1, description="target_batch_size")
+    dht: dict[str, Any] = {}
+    metrics: dict[str, Any] | None = None
+    n_embd: int | None = Field(None, ge=1, description="a deliberately different model")
+    lora: bool = False
+    poison_state: bool = False
+    faults: list[Fault] = []
+
+
+class DiLoCoPeerSpec(_Common):
+    """tests/diloco_worker.py: a DiLoCo trainer."""
+
+    inner_steps: int = Field(ge=1)
+    diloco: dict[str, Any] = {}
+    logging_steps: int = Field(5, ge=1)
+    save_final: bool = False
+
+
+SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}
+
+
+def spec_model(worker: str) -> type[_Common] | None:
+    """The spec model of `worker` (a script in tests/), or None for the workers that take free-form specs."""
+    return SPECS.get(worker)
