@@ -147,9 +147,8 @@ class FaultInjector(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         while self.pending and state.global_step >= self.pending[0]["at_step"]:
             fault = self.pending.pop(0)
-            self.records.write(
-                json.dumps({"kind": "fault", "step": state.global_step, **fault, "t": time.time()}) + "\n"
-            )
+            line = {**fault, "fault": fault["kind"], "kind": "fault", "step": state.global_step, "t": time.time()}
+            self.records.write(json.dumps(line) + "\n")
             self.records.flush()
             if fault["kind"] == "stall":
                 time.sleep(fault["seconds"])  # the fault itself: this peer is frozen
