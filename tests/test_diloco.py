@@ -95,6 +95,9 @@ def test_progress_records_are_validated():
     for bad in ({"outer_step": -1}, {"inner_steps": 0}, {"time": float("nan")}, {"peer_id": "x"}, {"inner_done": 1.5}):
         assert PeerProgress.parse({**good, **bad}) is None, bad
     assert PeerProgress.parse({k: v for k, v in good.items() if k != "started"}) is None
+    assert PeerProgress.parse(good).revert_id == 0  # type: ignore[union-attr]  # records from before revert ids
+    assert PeerProgress.parse({**good, "revert_id": 2}).revert_id == 2  # type: ignore[union-attr]
+    assert PeerProgress.parse({**good, "revert_id": "2"}) is None
 
 
 def test_config_rejects_unknown_keys_and_clashes():
