@@ -57,6 +57,8 @@ class _Common(_Strict):
     save_steps: int | None = Field(None, ge=1)
     resume: str | bool | None = None
     byzantine: Attack | list[Attack] | None = None
+    n_embd: int | None = Field(None, ge=1, description="a deliberately different model")
+    lora: bool = False
 
 
 class PeerSpec(_Common):
@@ -65,8 +67,6 @@ class PeerSpec(_Common):
     target: int = Field(ge=1, description="target_batch_size")
     dht: dict[str, Any] = {}
     metrics: dict[str, Any] | None = None
-    n_embd: int | None = Field(None, ge=1, description="a deliberately different model")
-    lora: bool = False
     poison_state: bool = False
     faults: list[Fault] = []
 

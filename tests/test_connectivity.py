@@ -81,7 +81,7 @@ def test_trainers_that_never_average_are_warned(tmp_path, workdir):
     """Two client-mode trainers on 127.0.0.1 and a bootstrap: no group can form (no peer accepts connections); each
     trainer's SilenceWatch, fed by the swarm's optimizer, warns once after 3 collaborative steps without averaging."""
     bootstrap = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="silent", target=16, batch_size=8, max_steps=5, scheduler="constant")
+    common = dict(workdir=str(workdir), run_id="silent", target=16, batch_size=8, max_steps=4, scheduler="constant")
     common.update(initial_peers=bootstrap.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})
     common["sleep_per_step"] = 0.5  # compute time: 0.1 s steps would finish before the peers' progress meets
     try:

@@ -260,7 +260,7 @@ def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
     starting loss (9.84 > 6.27)."""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_byz", "initial_peers": boot.initial_peers, "batch_size": 2,
-              "inner_steps": 4, "max_steps": 16, "eval_blocks": 8,
+              "inner_steps": 4, "max_steps": 12, "eval_blocks": 8,
               "opt": {"min_peers": 3, "aggregation": {"name": "centered_clip", "tau": 0.1, "n_iters": 30}}}  # fmt: skip
     evil = {"attack": "scale", "factor": 1000.0}
     peers = [start_diloco_peer(tmp_path, "a", **common), start_diloco_peer(tmp_path, "b", **common),
@@ -272,10 +272,10 @@ def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
             stop(peer.process)
         boot.stop()
     for done in dones:
-        assert done["outer_step"] == 4 and done["syncs"]["averaged"] == 4, done
+        assert done["outer_step"] == 3 and done["syncs"]["averaged"] == 3, done
         assert math.isfinite(done["eval_loss"]) and done["eval_loss"] < done["eval_loss_begin"], done
     records = [syncs(peer) for peer in peers[:2]]
-    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 5))
+    assert all(records[0][s]["sha256"] == records[1][s]["sha256"] for s in range(1, 4))
 
 
 def test_synchronous_mode_logs_averaging_bytes(tmp_path, workdir):
