@@ -8,6 +8,6 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff format --check trahiv tests benchmarks
 .venv/bin/mypy
 .venv/bin/codespell trahiv tests benchmarks README.md
-# two workers, one test file each at a time (tests/conftest.py orders the slowest files first): the suite took
-# 19.6 min this way against 25-27 min serially on 2 cores (peers mostly wait on rounds and timers)
+# two workers, one test file each at a time (tests/conftest.py orders the slowest files first): pytest took 19 min
+# this way against 25-30 min serially on 2 cores (serially, peers mostly wait on rounds and timers)
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests "$@"
