@@ -22,6 +22,7 @@ class Attack(_Strict):
 
     attack: Literal["scale", "nan", "sign_flip", "noise", "inflate_weight"]
     factor: float = 1.0
+    min_group: int = Field(1, ge=1, description="made only in groups this large; smaller ones get true gradients")
 
 
 class Fault(_Strict):

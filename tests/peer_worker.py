@@ -64,7 +64,8 @@ ARMED_ATTACKS: list[dict] = [{"attack": "nan"}, {"attack": "lie_samples"}]  # co
 
 def byzantine_averager(attacks: list[dict], log: Path, armed: Any = None) -> type[RobustGradientAverager]:
     """A gradient averager that corrupts this peer's accumulated gradients just before every all-reduce, with the
-    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends); with no
+    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends; an attack with
+    `min_group` waits for a group that large, averaging honestly meanwhile); with no
     `attacks`, only in the round after a fault armed `armed` (shared memory: the averager runs in its own process). It
     keeps its own model finite: the parts that honest reducers refuse to send back to it (after sending NaN) revert to
     its true gradients, so that the next rounds' attacks are made on real gradients, not on NaN."""
@@ -73,8 +74,10 @@ def byzantine_averager(attacks: list[dict], log: Path, armed: Any = None) -> typ
         rounds = 0
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
-            if attacks:
+            if attacks and len(group_info.peer_ids) >= attacks[self.rounds % len(attacks)].get("min_group", 1):
                 attack = attacks[self.rounds % len(attacks)]
+            elif attacks:  # a group too small for this attack: averaged honestly, the attack waits for the next round
+                return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
             elif armed is not None and armed[0] > 0:
                 attack = {**ARMED_ATTACKS[int(armed[0]) - 1], "factor": armed[1]}
                 armed[0] = 0

@@ -402,7 +402,10 @@ def swarm(tmp_path_factory, workdir):
         ]
         ids = [peer.ready(120)["peer_id"] for peer in peers]
         store = MetricsStore(default_store_url(output_dir))  # the aux peer's SQLite file, read while it writes
-        wait_for(lambda: ids[0] in {c["peer_id"] for c in store.contributors()}, 90, "the aux peer to see peer a")
+        # the collector writes a record's contributor row before its step row: wait for both
+        wait_for(
+            lambda: ids[0] in {c["peer_id"] for c in store.contributors()} and store.steps(), 90, "peer a's first step"
+        )
         attacked_at_step = max(row["step"] for row in store.steps())
         attacks = attack(aux.initial_peers, victim=ids[0])
         done = [peer.finish(180) for peer in peers]

@@ -79,7 +79,7 @@ def run_swarm(tmp: Path, workdir: Path, aggregation: dict, attack: str | None = 
     try:
         honest = [start_peer(tmp, f"honest{i}", **common) for i in range(3)]
         byzantine = (
-            [*ATTACKS.values(), INFLATE_WEIGHT]
+            [{**a, "min_group": 4} for a in [*ATTACKS.values(), INFLATE_WEIGHT]]  # none spent on a smaller group
             if attack == "cycle"
             else [ATTACKS["scale"], INFLATE_WEIGHT]
             if attack == "scale_and_inflate_weight"
