@@ -15,9 +15,11 @@ from typing import Any
 
 import psutil
 from peer_spec import spec_model
+from zygote import Forked, spawn
 
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, **PEER_ENV}
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -56,7 +58,7 @@ def start_bootstrap(tmp: Path) -> Bootstrap:
 class Peer:
     name: str
     out: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     spec: dict = field(default_factory=dict)
 
     def ready(self, timeout: float = 90) -> dict:
@@ -114,13 +116,18 @@ def start_peer(tmp: Path, name: str, *, worker: str = "peer_worker.py", prefix: 
     text = model.model_validate(spec).model_dump_json(exclude_unset=True) if model else json.dumps(spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(text)
+    if not prefix and not os.environ.get("TRAHIV_TEST_NO_FORK"):  # forked from a warm process (tests/zygote.py)
+        process: subprocess.Popen | Forked = spawn(
+            TESTS / worker, [str(out / "spec.json")], log=out / "log.txt", cwd=tmp, env=PEER_ENV
+        )
+        return Peer(name, out, process, spec)
     log = open(out / "log.txt", "w")
     command = [*prefix, sys.executable, str(TESTS / worker), str(out / "spec.json")]
     process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     return Peer(name, out, process, spec)
 
 
-def stop(process: subprocess.Popen, timeout: float = 15) -> None:
+def stop(process: subprocess.Popen | Forked, timeout: float = 15) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
