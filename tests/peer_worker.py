@@ -219,6 +219,7 @@ class Recorder(TrainerCallback):
             "step": step,
             "checksum": sum(float(p.sum()) for _, p in named),
             "abs": sum(float(p.abs().sum()) for _, p in named),
+            "digest": digest(self.trainer.model),  # the exact bits
         }
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
@@ -227,6 +228,15 @@ class Recorder(TrainerCallback):
             line["sha256"] = {n: hashlib.sha256(p.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                               for n, p in exact}  # fmt: skip
         self.records.write(json.dumps(line) + "\n")
+
+
+def digest(model) -> str:
+    """sha256 of the trainable parameters' bytes, in order."""
+    sha = hashlib.sha256()
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            sha.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def build_model(spec: dict):

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.swarm
 
 def test_two_peers_train_together(tmp_path, workdir):
     """Different batch sizes, one peer in client mode: the swarm steps after target_batch_size samples in total, all
-    peers hold the same parameters after every collaborative step, and the loss goes down."""
+    peers hold the same parameters, bit for bit, after every collaborative step, and the loss goes down. (With
+    hivemind's all-reduce each peer added its own rounding of the average's difference: GPT-2's weights differed in
+    the last bits after every step.)"""
 
     def scenario(tmp: Path) -> tuple[Peer, Peer, dict, dict]:
         tmp.mkdir()
@@ -41,8 +43,7 @@ def test_two_peers_train_together(tmp_path, workdir):
         assert totals[step] >= 64, f"step {step} advanced after only {totals[step]} samples: {totals}"
     params_a, params_b = a.params_at(), b.params_at()
     for step in range(1, 6):
-        assert params_a[step]["checksum"] == pytest.approx(params_b[step]["checksum"], rel=1e-6, abs=1e-4), step
-        assert params_a[step]["abs"] == pytest.approx(params_b[step]["abs"], rel=1e-6), step
+        assert params_a[step]["digest"] == params_b[step]["digest"], step
     losses = [r["loss"] for r in a.records("log")]
     assert losses[-1] < losses[0] - 0.1, losses
     assert done_a["samples_contributed"] > 0 and done_b["samples_contributed"] > 0

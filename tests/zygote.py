@@ -81,6 +81,7 @@ def spawn(script: Path, argv: list[str], *, log: Path, cwd: Path, env: dict[str,
     process = _fork_server().Process(
         target=_run, args=(module, list(argv), str(log), str(cwd), dict(env or {})), name=f"{module} {' '.join(argv)}"
     )
+    Path(log).write_text("")  # there (and empty) once this returns, as with subprocess and open(log, "w")
     process.start()
     forked = Forked(process, [str(script), *argv])
     _live.append(forked)
@@ -89,7 +90,7 @@ def spawn(script: Path, argv: list[str], *, log: Path, cwd: Path, env: dict[str,
 
 def _run(module: str, argv: list[str], log: str, cwd: str, env: dict[str, str]) -> None:
     """The forked child: what `python SCRIPT ARGV > LOG 2>&1` (cwd, env) would do, from a preloaded interpreter."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

@@ -1,10 +1,13 @@
-"""An all-reduce after which every peer holds the same bits (used by DiLoCo for its pseudo-gradients).
+"""An all-reduce after which every peer holds the same bits (DiLoCo's pseudo-gradients, the gradient rounds).
 
 hivemind 1.1.12's reducer returns to each sender the *difference* between the aggregate and that sender's part,
 compressed, and the sender adds it to its part: x_j + Q(a - x_j). That is a - x_j + x_j rounded, so peers end with
 values that differ in the last bits (measured: 23 of 28 GPT-2 tensors differed after each DiLoCo sync, without
-compression; with a lossy compression by the compression error of a - x_j). Gradient averaging tolerates this;
-DiLoCo's outer parameters would drift apart sync after sync, as each peer applies its own copy of the average.
+compression; with a lossy compression by the compression error of a - x_j). DiLoCo's outer parameters would drift
+apart sync after sync, as each peer applies its own copy of the average; so did the synchronous mode's parameters,
+step after step, by the last bits of the averaged gradients each peer applied. Parameter rounds keep hivemind's
+differences (Q(a) of a lossy compression would round the parameters themselves): after rounds that failed, and in
+which each peer stepped alone, they bring the peers back together within the last bits, not bit for bit.
 
 Here the reducer returns the aggregate itself, Q(a), compressed as the sender's part was; the reducer's own part goes
 through the same compression round trip; and each peer *replaces* its values with the result. Every peer decodes the
