@@ -1,8 +1,8 @@
 """Peer processes forked from a warm parent instead of started as fresh interpreters (tests only).
 
 Each peer process of the swarm tests spent about 6.5 CPU-seconds importing torch, transformers' Trainer, peft (which
-imports bitsandbytes and torch._dynamo) and datasets before it did anything; with ~150 peers per run that was more than
-half of the test command's CPU time on 2 cores. Here multiprocessing's fork server imports those once per test
+imports bitsandbytes and torch._dynamo) and datasets before it did anything: over a run's swarm tests, about half of
+the test command's CPU time on 2 cores. Here multiprocessing's fork server imports those once per test
 process (`PRELOAD`) and forks each peer from it: a peer then imports only hivemind, trahiv and the test worker (~1 s).
 
 What a peer shares with its siblings is only what those third-party modules hold after import: no thread, socket or
