@@ -162,6 +162,7 @@ def start_bootstrap_in(host: Host, tmp: Path) -> tuple[subprocess.Popen, list[st
     from swarm_helpers import ENV, wait_for
 
     addresses = tmp / "bootstrap.json"
+    addresses.unlink(missing_ok=True)  # a run again in the same directory: not the last bootstrap's address
     command = [*host.prefix(), sys.executable, "-m", "trahiv.cli.main", "dht", "--no-nat-port-map",
                "--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--addresses-file", str(addresses)]  # fmt: skip
     log = open(tmp / "bootstrap.log", "w")

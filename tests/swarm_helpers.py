@@ -44,6 +44,7 @@ class Bootstrap:
 
 def start_bootstrap(tmp: Path) -> Bootstrap:
     addresses = tmp / "bootstrap.json"
+    addresses.unlink(missing_ok=True)  # a run again in the same directory: not the last bootstrap's address
     command = [sys.executable, "-m", "trahiv.cli.main", "dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
     process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
     peers = wait_for(

@@ -115,3 +115,34 @@ def test_a_signal_swallowed_by_the_engine_is_raised_again():
             engine.raise_if_interrupted()  # what SwarmOptimizer.step does after the engine's step
     assert [type(e) for e in swallowed] == [KeyboardInterrupt]
     engine.raise_if_interrupted()  # leaving interrupt_on_signals clears it
+
+
+def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
+    """hivemind's Optimizer.load_state_from_peers moves a peer one step behind the swarm to the swarm's step without
+    its LR schedule ("Catching up with collaboration step"): its next step ran with the previous step's LR (a test
+    of a revert saw the logged LR lag a step). trahiv brings the schedule along."""
+    from trahiv.config import HivemindConfig
+    from trahiv.swarm import Swarm
+
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": "catch_up_lr", "target_batch_size": 2}}
+    )
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        schedule = lambda step: 1.0 / (step + 1)  # noqa: E731
+        optimizer = swarm.make_optimizer(
+            [{"params": [param]}],
+            lambda groups: torch.optim.SGD(groups, lr=1.0),
+            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            1,
+        )
+        assert optimizer.local_epoch == 0
+        # the download found nothing newer; the swarm's progress says step 1: hivemind's catch-up branch
+        monkeypatch.setattr(optimizer.state_averager, "load_state_from_peers", lambda **kwargs: None)
+        monkeypatch.setattr(type(optimizer.tracker), "global_epoch", property(lambda self: 1))
+        optimizer.load_state_from_peers()
+        assert optimizer.local_epoch == 1
+        assert optimizer.opt.param_groups[0]["lr"] == pytest.approx(schedule(1))  # hivemind's: schedule(0)
+    finally:
+        swarm.shutdown()

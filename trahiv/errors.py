@@ -31,7 +31,7 @@ def debug_enabled() -> bool:
 
 
 def join_error_message(initial_peers: Sequence[str], host_maddrs: Sequence[str], error: BaseException, *,
-                       authenticated: bool) -> str:  # fmt: skip
+                       authenticated: bool, attempts: int = 1) -> str:  # fmt: skip
     """Why a DHT could not start or join, and what to do, from the engine's exception."""
     reason = str(error).strip()
     if not initial_peers:
@@ -51,7 +51,7 @@ def join_error_message(initial_peers: Sequence[str], host_maddrs: Sequence[str],
             "that hivemind_config.auth.server is this swarm's auth server and opt.run_id its run_id"
         )
     if NOT_CONNECTED in reason:
-        reason = "nothing answered at these addresses"
+        reason = "nothing answered at these addresses" + (f" ({attempts} attempts)" if attempts > 1 else "")
     else:
         reason = reason.removesuffix("(set ensure_bootstrap_success=False to ignore)").strip()
     return (

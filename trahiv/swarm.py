@@ -31,7 +31,7 @@ from trahiv.engine.optimizer import (
 )
 from trahiv.engine.traffic import total_traffic
 from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_cannot_form
-from trahiv.errors import debug_enabled, join_error_message
+from trahiv.errors import NOT_CONNECTED, debug_enabled, join_error_message
 from trahiv.lifecycle import Lifecycle, join_swarm
 from trahiv.metrics import MetricsPublisher, MetricsRecord
 from trahiv.protocol import ready_peers
@@ -55,6 +55,9 @@ def show_swarm_events() -> None:
         root.propagate = False
 
 
+JOIN_ATTEMPTS, JOIN_RETRY_PAUSE = 3, 2.0  # initial peers that do not answer: tries, and seconds between them
+
+
 class SwarmJoinError(RuntimeError):
     """This peer could not start or reach the swarm."""
 
@@ -75,14 +78,22 @@ def _start_dht(
 ) -> hivemind.DHT:
     if client_mode is not None:
         kwargs = {**kwargs, "client_mode": client_mode}
-    try:
-        dht = hivemind.DHT(start=True, **kwargs)
-        if not dht.client_mode:  # trahiv peers dial others back on request (trahiv doctor, client_mode 'auto')
-            dht.run_coroutine(connectivity.serve_dialback_in_dht)
-        return dht
-    except Exception as e:  # one message, not hivemind's chained traceback (that with TRAHIV_DEBUG=1)
-        message = join_error_message(config.initial_peers, config.host_maddrs, e, authenticated=authenticated)
-        raise SwarmJoinError(message) from (e if debug_enabled() else None)
+    attempts = JOIN_ATTEMPTS if config.initial_peers else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            dht = hivemind.DHT(start=True, **kwargs)
+            if not dht.client_mode:  # trahiv peers dial others back on request (trahiv doctor, client_mode 'auto')
+                dht.run_coroutine(connectivity.serve_dialback_in_dht)
+            return dht
+        except Exception as e:  # one message, not hivemind's chained traceback (that with TRAHIV_DEBUG=1)
+            if NOT_CONNECTED in str(e) and attempt < attempts:  # a busy or restarting peer: try again, then give up
+                logger.debug(f"Nothing answered at {config.initial_peers} (attempt {attempt} of {attempts}): {e}")
+                time.sleep(JOIN_RETRY_PAUSE)
+                continue
+            message = join_error_message(config.initial_peers, config.host_maddrs, e, authenticated=authenticated,
+                                         attempts=attempt)  # fmt: skip
+            raise SwarmJoinError(message) from (e if debug_enabled() else None)
+    raise AssertionError("unreachable")
 
 
 def _start_auth(config: HivemindConfig) -> PeerAuth | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import time
 from pathlib import Path
+
+from trahiv.cli import write_addresses
 
 EXTENSIONS: tuple[str, ...] = (  # each adds flags and attaches a service
     "trahiv.auxiliary.dashboard_service",
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             peer.start()
             if args.addresses_file:
-                Path(args.addresses_file).write_text(json.dumps(peer.initial_peers))
+                write_addresses(args.addresses_file, peer.initial_peers)
             store = peer.store.url if peer.store is not None else peer.store_url  # (password hidden)
             print(f"Collecting metrics of run {peer.run_id!r} into {store}", file=sys.stderr, flush=True)
             while deadline is None or time.monotonic() < deadline:

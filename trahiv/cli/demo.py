@@ -62,6 +62,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "trahiv.cli.main"]
     addresses_file = workdir / "initial_peers.json"
+    addresses_file.unlink(missing_ok=True)  # a re-run in the same workdir: never join the last run's stopped peer
     processes: list[subprocess.Popen] = []
     deadline = time.monotonic() + args.timeout
     try:

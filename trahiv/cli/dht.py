@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from trahiv.cli import write_addresses
 from trahiv.config import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
             for line in connectivity.join_lines(addresses, config.initial_peers, client_mode=dht.client_mode):
                 print(line, flush=True)
             if args.addresses_file:
-                with open(args.addresses_file, "w") as f:
-                    json.dump(addresses, f)
+                write_addresses(args.addresses_file, addresses)
             while dht.is_alive() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.5)
     except KeyboardInterrupt:

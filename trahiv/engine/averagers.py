@@ -363,7 +363,10 @@ class ReportingMixin:
             chunk = self.deadlines.chunk_timeout(part_bytes, group_size)
             if kwargs.get("sender_timeout") is None:
                 kwargs["sender_timeout"], kwargs["reducer_timeout"] = chunk, 2 * chunk
-            timeout = self.deadlines.round_timeout(payload, group_size)
+            # a stalled peer costs a sender its reducer_timeout before the round ends partial: the round's deadline
+            # must leave room for that, or a partial round (values kept) becomes a failed one
+            timeout = max(self.deadlines.round_timeout(payload, group_size),
+                          (kwargs.get("reducer_timeout") or 0.0) + self.deadlines.floor)  # fmt: skip
         if issubclass(self.runner_cls, TrafficCountingRunner):
             kwargs.setdefault("traffic", self.traffic)
         started, error = time.perf_counter(), None

@@ -400,6 +400,9 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         super().load_state_from_peers(**kwargs)
+        # hivemind moves a peer one step behind to the swarm's step ("Catching up with collaboration step") without
+        # its LR schedule: the next step then ran with the previous step's LR, and the logged LR lagged a step
+        self.state_averager._update_scheduler()
         self._declare_state(complete=True)
 
     def _missed_the_round(self) -> bool:
