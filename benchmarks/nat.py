@@ -7,6 +7,8 @@ first collaborative step with a complete averaging round (read from tests/peer_w
 duration of its collaborative steps after that; plus whether it switched to client mode on its own.
 
 Prints JSON. Run: .venv/bin/python benchmarks/nat.py [--homes 1] [--public-trainers 1] [--rate 50mbit] [--steps 5]
+With --aux (and --public-trainers 0 --homes 2): no public trainer; the volunteers average through `trahiv aux --average`
+on the public host, the one peer that accepts connections.
 """
 
 from __future__ import annotations
@@ -36,6 +38,28 @@ def first_averaged_step(peer, launched: float) -> dict:
     }
 
 
+def start_aux_in(host, tmp: Path):
+    """`trahiv aux --average` on `host` (as tests/test_nat.py starts it); returns it and its internet addresses."""
+    import subprocess
+
+    from swarm_helpers import ENV, wait_for
+
+    out = tmp / "aux"
+    out.mkdir(exist_ok=True)
+    config = {"dht": {"host_maddrs": ["/ip4/0.0.0.0/tcp/0"], "nat_port_map": False},
+              "opt": {"run_id": "nat_bench", "target_batch_size": 32, "matchmaking_time": 2.0}}  # fmt: skip
+    command = [*host.prefix(), sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config),
+               "--output-dir", str(out / "output"), "--period", "0.5", "--addresses-file", str(out / "addresses.json"),
+               "--average"]  # fmt: skip
+    process = subprocess.Popen(command, env=ENV, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
+    addresses = wait_for(
+        lambda: process.poll() is None and (out / "addresses.json").exists() and (out / "addresses.json").read_text(),
+        90,
+        "trahiv aux to start",
+    )
+    return process, [a for a in json.loads(addresses) if a.startswith(f"/ip4/{host.ip}/")]
+
+
 def main(argv: list[str] | None = None) -> dict:
     import netns
     from swarm_helpers import stop
@@ -47,6 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--public-trainers", type=int, default=1, help="trainers on public hosts")
     parser.add_argument("--rate", default="50mbit", help="tbf rate of every link")
     parser.add_argument("--steps", type=int, default=5, help="collaborative steps")
+    parser.add_argument("--aux", action="store_true",
+                        help="the entry point is `trahiv aux --average` (averages with client-mode volunteers), not a "
+                             "bootstrap `trahiv dht`; use with --public-trainers 0 --homes 2")  # fmt: skip
     args = parser.parse_args(argv)
     reason = netns.unavailable()
     if reason is not None:
@@ -56,8 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     topology = netns.build(public=1 + args.public_trainers, homes=args.homes, rate=args.rate)
     processes = []
     try:
-        bootstrap, initial_peers = netns.start_bootstrap_in(topology.public[0], tmp)
-        processes.append(bootstrap)
+        entry, initial_peers = (start_aux_in if args.aux else netns.start_bootstrap_in)(topology.public[0], tmp)
+        processes.append(entry)
         common = dict(workdir=str(workdir), run_id="nat_bench", target=32, batch_size=8, scheduler="constant",
                       initial_peers=initial_peers, opt={"min_peers": args.homes + args.public_trainers})  # fmt: skip
         peers, launched = [], {}
@@ -89,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "homes": args.homes,
         "public_trainers": args.public_trainers,
         "steps": args.steps,
+        "entry_point": "trahiv aux --average" if args.aux else "trahiv dht",
         "volunteers": volunteers,
         "load_average_1min": os.getloadavg()[0],
     }
