@@ -112,3 +112,88 @@ def test_unreachable_peers_are_the_ones_that_do_not_answer():
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_dialback_limiter_per_caller_per_minute_and_queue():
+    from trahiv.connectivity import DialBackLimiter
+
+    now = [0.0]
+    limiter = DialBackLimiter(per_caller=10.0, per_minute=3, max_queued=1, clock=lambda: now[0])
+    assert limiter.admit("a") == 0.0
+    assert limiter.admit("a") == pytest.approx(10.0)  # the same caller within 10 s
+    assert limiter.admit("b") == 0.0
+    assert limiter.admit("c") == pytest.approx(5.0)  # 2 admitted and not done (1 dialling + 1 waiting): queue full
+    limiter.done()
+    limiter.done()
+    now[0] = 11.0
+    assert limiter.admit("a") == 0.0  # a again after its interval: the third dial of this minute
+    limiter.done()
+    assert limiter.admit("d") == pytest.approx(49.0)  # 3 in the last minute: the oldest leaves it at t = 60
+    now[0] = 60.0
+    assert limiter.admit("d") == 0.0
+
+
+def test_prober_asks_again_when_every_initial_peer_was_busy(monkeypatch):
+    """A refused dial-back (rate limit) is not an answer: the prober tries the next initial peer, then once more
+    after the time it was told; it never concludes 'unreachable' (client mode) from a refusal."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from trahiv import connectivity
+    from trahiv.connectivity import DialBack
+
+    answers = [DialBack(False, retry_after=0.2), DialBack(False, retry_after=0.3), DialBack(True, dialled=["x"])]
+    asked: list[str] = []
+
+    async def fake_request(p2p, peer_id, maddrs, timeout):
+        asked.append(peer_id.to_base58())
+        return answers.pop(0)
+
+    class FakeP2P:
+        peer_id = PeerID.from_base58(LOCAL_PEER.rsplit("/", 1)[1])
+
+        async def get_visible_maddrs(self, latest=False):
+            return []
+
+    class FakeNode:
+        p2p = FakeP2P()
+
+    monkeypatch.setattr(connectivity, "request_dialback", fake_request)
+    second = "/ip4/127.0.0.1/tcp/31338/p2p/12D3KooWMEGSxULAnyzgdnsfDLBV5wjy7CThowe4rVoRqrYEy5Rv"
+    answer = asyncio.run(connectivity._probe_in_dht([LOCAL_PEER, second], 1.0, None, FakeNode()))
+    assert answer is not None and answer.ok and len(asked) == 3  # both busy, then the first again
+    answers[:] = [DialBack(False, retry_after=120.0)]
+    assert asyncio.run(connectivity._probe_in_dht([LOCAL_PEER], 1.0, None, FakeNode())) is None  # cannot tell
+
+
+@pytest.mark.swarm
+def test_dialback_service_refuses_a_caller_that_asks_again_at_once(tmp_path):
+    """Across processes: `trahiv dht` dials a caller back once, and tells it when to ask again the second time."""
+    import asyncio
+
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from trahiv.connectivity import DIAL_INTERVAL_PER_CALLER, request_dialback
+
+    bootstrap = start_bootstrap(tmp_path)
+
+    async def ask_twice():
+        p2p = await P2P.create(initial_peers=bootstrap.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                               nat_port_map=False)  # fmt: skip
+        try:
+            peer = PeerID.from_base58(Multiaddr(bootstrap.initial_peers[0]).value_for_protocol("p2p"))
+            own = f"/p2p/{p2p.peer_id.to_base58()}"
+            maddrs = [str(m).removesuffix(own) for m in await p2p.get_visible_maddrs()]
+            return [await request_dialback(p2p, peer, maddrs, timeout=30) for _ in range(2)]
+        finally:
+            await p2p.shutdown()
+
+    try:
+        first, second = asyncio.run(ask_twice())
+    finally:
+        bootstrap.stop()
+    assert first is not None and first.ok and not first.refused, first
+    assert second is not None and not second.ok and second.refused, second
+    assert 0 < second.retry_after <= DIAL_INTERVAL_PER_CALLER and "busy" in second.error

@@ -6,7 +6,10 @@ registers the unary handler `DIALBACK_PROTOCOL`. A caller sends the addresses it
 *caller's* peer ID at those addresses from a second p2pd with a fresh identity (the connection the caller opened to
 it would otherwise be reused, and prove nothing), and answers whether that worked and at which address it sees the
 caller connect from. Only the caller's own peer ID is dialled, at most `MAX_DIAL_ADDRS` addresses, one dial at a
-time, each bounded by `DIAL_TIMEOUT`. `trahiv doctor` and `client_mode: auto` (trahiv.swarm) use it.
+time, each bounded by `DIAL_TIMEOUT`. Each dial starts a p2pd, so requests are rate-limited (`DialBackLimiter`): one
+per caller every `DIAL_INTERVAL_PER_CALLER` seconds, `MAX_DIALS_PER_MINUTE` in all, `MAX_QUEUED` waiting; a refused
+caller is told when to ask again (`DialBack.retry_after`) and asks another initial peer, or the same one once more.
+`trahiv doctor` and `client_mode: auto` (trahiv.swarm) use it.
 
 SilenceWatch: hivemind logs a failed averaging round at INFO (`Averaging gradients failed with TimeoutError()`) and
 trains on local gradients; two volunteers behind NAT trained that way for ever (30.8 s a step, parameters unchanged).
@@ -20,6 +23,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 __all__ = [
     "DIALBACK_PROTOCOL",
     "DialBack",
+    "DialBackLimiter",
     "PeerView",
     "SilenceWatch",
     "address_kind",
@@ -46,6 +52,10 @@ DIALBACK_PROTOCOL = "/trahiv/dialback/1.0.0"
 MAX_DIAL_ADDRS = 8
 DIAL_TIMEOUT = 5.0  # seconds for the dial-back connection (a reachable peer answers in well under a second)
 MAX_REQUEST_BYTES = 4096
+DIAL_INTERVAL_PER_CALLER = 10.0  # seconds between two dial-backs for one peer ID
+MAX_DIALS_PER_MINUTE = 30  # dial-backs for all callers together (each starts a p2pd)
+MAX_QUEUED = 4  # requests waiting while one dial runs
+MAX_RETRY_WAIT = 15.0  # a refused prober waits at most this long to ask again (else it cannot tell)
 
 
 # --- addresses ---------------------------------------------------------------------------------------------------
@@ -88,22 +98,68 @@ class DialBack:
     dialled: list[str] = field(default_factory=list)
     observed: list[str] = field(default_factory=list)  # where the peer sees the caller's existing connection from
     error: str = ""
+    retry_after: float = 0.0  # > 0: the peer did not dial (rate limit): ask again after this many seconds
+
+    @property
+    def refused(self) -> bool:
+        return self.retry_after > 0
+
+
+class DialBackLimiter:
+    """Who may have a dial-back now. `admit(caller)` returns 0.0 (go: call `done()` after the dial) or the seconds
+    after which to ask again."""
+
+    def __init__(self, per_caller: float = DIAL_INTERVAL_PER_CALLER, per_minute: int = MAX_DIALS_PER_MINUTE,
+                 max_queued: int = MAX_QUEUED, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.per_caller, self.per_minute, self.max_queued, self.clock = per_caller, per_minute, max_queued, clock
+        self.last: dict[str, float] = {}  # caller -> when it was last admitted
+        self.recent: deque[float] = deque()  # when the dials of the last minute were admitted
+        self.queued = 0  # admitted and not done (waiting for the one dial in progress, or dialling)
+
+    def admit(self, caller: str) -> float:
+        now = self.clock()
+        while self.recent and now - self.recent[0] >= 60.0:
+            self.recent.popleft()
+        self.last = {peer: at for peer, at in self.last.items() if now - at < self.per_caller}
+        waits = []
+        if caller in self.last:
+            waits.append(self.last[caller] + self.per_caller - now)
+        if len(self.recent) >= self.per_minute:
+            waits.append(self.recent[0] + 60.0 - now)
+        if self.queued > self.max_queued:  # (one dialling + max_queued waiting)
+            waits.append(DIAL_TIMEOUT)
+        if waits:
+            return max(max(waits), 0.1)
+        self.last[caller] = now
+        self.recent.append(now)
+        self.queued += 1
+        return 0.0
+
+    def done(self) -> None:
+        self.queued = max(self.queued - 1, 0)
 
 
 class _DialBackService:
     """The dial-back handler, in the process that owns the peer's p2pd."""
 
-    def __init__(self, p2p: Any):
+    def __init__(self, p2p: Any, limiter: DialBackLimiter | None = None):
         self.p2p, self.lock = p2p, asyncio.Lock()
+        self.limiter = limiter or DialBackLimiter()
 
     async def handle(self, request: bytes, remote_id: Any) -> bytes:
         try:
             maddrs = _parse_request(request)
         except ValueError as e:
             return _dump(DialBack(False, error=str(e)))
-        observed = await self._observed(remote_id)
-        async with self.lock:  # one dial at a time: the service cannot be used to open many connections at once
-            answer = await self._dial(remote_id, maddrs)
+        wait = self.limiter.admit(str(remote_id))
+        if wait > 0:
+            return _dump(DialBack(False, error=f"busy: ask again in {wait:.0f} s", retry_after=round(wait, 1)))
+        try:
+            observed = await self._observed(remote_id)
+            async with self.lock:  # one dial at a time: the service cannot be used to open many connections at once
+                answer = await self._dial(remote_id, maddrs)
+        finally:
+            self.limiter.done()
         answer.observed = observed
         return _dump(answer)
 
@@ -186,7 +242,12 @@ async def request_dialback(p2p: Any, peer_id: Any, maddrs: Sequence[Any], timeou
         dialled=list(fields.get("dialled", [])),
         observed=list(fields.get("observed", [])),
         error=str(fields.get("error", "")),
+        retry_after=_retry_after(fields.get("retry_after", 0.0)),
     )
+
+
+def _retry_after(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 3600 else 0.0
 
 
 async def _probe_in_dht(initial_peers: list[str], timeout: float, _dht: Any, node: Any) -> DialBack | None:
@@ -196,15 +257,22 @@ async def _probe_in_dht(initial_peers: list[str], timeout: float, _dht: Any, nod
     p2p = node.p2p
     own = f"/p2p/{p2p.peer_id.to_base58()}"
     announced = [str(m).removesuffix(own) for m in await p2p.get_visible_maddrs(latest=True)]
-    for maddr in initial_peers:
-        peer_id = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
-        try:
-            answer = await request_dialback(p2p, peer_id, announced, timeout=timeout)
-        except Exception as e:  # that initial peer is gone, or slow: ask the next one
-            logger.debug(f"Dial-back request to {peer_id} failed: {e!r}")
-            continue
-        if answer is not None:
-            return answer
+    for attempt in range(2):  # a second pass only if every peer that offers the service was busy
+        busy: list[float] = []
+        for maddr in initial_peers:
+            peer_id = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+            try:
+                answer = await request_dialback(p2p, peer_id, announced, timeout=timeout)
+            except Exception as e:  # that initial peer is gone, or slow: ask the next one
+                logger.debug(f"Dial-back request to {peer_id} failed: {e!r}")
+                continue
+            if answer is not None and answer.refused:  # rate-limited: another initial peer may answer now
+                busy.append(answer.retry_after)
+            elif answer is not None:
+                return answer
+        if not busy or min(busy) > MAX_RETRY_WAIT or attempt == 1:
+            return None
+        await asyncio.sleep(min(busy))
     return None
 
 

@@ -204,6 +204,9 @@ async def _check_dialback(
             return None, Check(name, "warn", f"dial-back request to {peer} failed: {e}", "run `trahiv doctor` again")
         if answer is None:
             continue
+        if answer.refused:
+            busy = f"{peer} is answering other dial-backs (rate limit)"
+            return None, Check(name, "warn", busy, f"run `trahiv doctor` again in {answer.retry_after:.0f} s")
         seen = f" (it sees this peer connect from {', '.join(answer.observed)})" if answer.observed else ""
         if answer.ok:
             return answer, Check(name, "ok", f"{peer} dialled this peer back at {', '.join(answer.dialled)}")
