@@ -133,3 +133,19 @@ def test_auth_server_and_clock_checks():
         server.server_close()
     (dead,) = check_auth_server(config("doc", url))  # the server is gone: no answer
     assert dead.status == "fail" and "does not answer" in dead.detail and "auth_server" in dead.fix
+
+
+def test_a_rate_limited_dialback_is_a_warning_with_when_to_retry(monkeypatch):
+    import asyncio
+
+    from trahiv import doctor as doctor_module
+    from trahiv.connectivity import DialBack
+
+    async def busy(p2p, peer, maddrs, timeout):
+        return DialBack(False, error="busy: ask again in 7 s", retry_after=7.0)
+
+    monkeypatch.setattr(doctor_module, "request_dialback", busy)
+    config = HivemindConfig.model_validate({"dht": {"nat_port_map": False}, "opt": {"run_id": "d", "target_batch_size": 1}})
+    answer, check = asyncio.run(doctor_module._check_dialback(None, ["peerA", "peerB"], [], config, 1.0))
+    assert answer is None and check.status == "warn", check  # a refusal says nothing about reachability
+    assert "peerA, peerB" in check.detail and "again in 7 s" in check.fix, check

@@ -197,6 +197,7 @@ async def _check_dialback(
     p2p: Any, peers: list[Any], announced: list[str], config: HivemindConfig, timeout: float
 ) -> tuple[DialBack | None, Check]:
     name = "reachable from the swarm"
+    refused: list[tuple[Any, float]] = []  # (peer, retry_after): rate-limited, another peer may answer
     for peer in peers:
         try:
             answer = await request_dialback(p2p, peer, announced, timeout=2 * timeout + 5)
@@ -205,8 +206,8 @@ async def _check_dialback(
         if answer is None:
             continue
         if answer.refused:
-            busy = f"{peer} is answering other dial-backs (rate limit)"
-            return None, Check(name, "warn", busy, f"run `trahiv doctor` again in {answer.retry_after:.0f} s")
+            refused.append((peer, answer.retry_after))
+            continue
         seen = f" (it sees this peer connect from {', '.join(answer.observed)})" if answer.observed else ""
         if answer.ok:
             return answer, Check(name, "ok", f"{peer} dialled this peer back at {', '.join(answer.dialled)}")
@@ -220,6 +221,9 @@ async def _check_dialback(
             "set dht.client_mode: true (or 'auto'); or forward a port on your router and set dht.host_maddrs "
             "['/ip4/0.0.0.0/tcp/<port>'] and dht.announce_maddrs ['/ip4/<public IP>/tcp/<port>']",
         )
+    if refused:
+        busy = f"{', '.join(str(peer) for peer, _ in refused)} answered other dial-backs first (rate limit)"
+        return None, Check(name, "warn", busy, f"run `trahiv doctor` again in {min(w for _, w in refused):.0f} s")
     return None, Check(name, "skip", "no initial peer runs trahiv's dial-back service (an older version?): not checked")
 
 
