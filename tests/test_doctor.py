@@ -145,7 +145,9 @@ def test_a_rate_limited_dialback_is_a_warning_with_when_to_retry(monkeypatch):
         return DialBack(False, error="busy: ask again in 7 s", retry_after=7.0)
 
     monkeypatch.setattr(doctor_module, "request_dialback", busy)
-    config = HivemindConfig.model_validate({"dht": {"nat_port_map": False}, "opt": {"run_id": "d", "target_batch_size": 1}})
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": "d", "target_batch_size": 1}}
+    )
     answer, check = asyncio.run(doctor_module._check_dialback(None, ["peerA", "peerB"], [], config, 1.0))
     assert answer is None and check.status == "warn", check  # a refusal says nothing about reachability
     assert "peerA, peerB" in check.detail and "again in 7 s" in check.fix, check
