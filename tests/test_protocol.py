@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trahiv.protocol import missed_round, ready_peers
+from trahiv.protocol import Contribution, fills_shortfall, missed_round, ready_peers, share_done, share_of_target
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,24 @@ def test_ready_peers_are_announced_and_tracked():
     # announced ready, but its progress is not visible yet: the first step would not count its samples
     assert ready_peers(["me", "b"], ["me"], own) == {"me"}
     assert ready_peers(["me", "b", "c"], ["b", "c", "stale"], own) == {"me", "b", "c"}
+
+
+def test_shares_follow_throughput_and_round_to_the_nearest_batch():
+    a, b = Contribution(b"a", 0, 30.0), Contribution(b"b", 0, 10.0)
+    assert share_of_target(32, a, [a, b]) == pytest.approx(24.0)
+    assert share_of_target(32, b, [a, b]) == pytest.approx(8.0)
+    unmeasured = Contribution(b"c", 0, 1e-20)  # hivemind's rate before a peer's first step: equal shares
+    assert share_of_target(30, a, [a, b, unmeasured]) == pytest.approx(10.0)
+    assert not share_done(0, 4, 1.0)  # every peer computes at least one batch
+    assert share_done(8, 4, 9.9) and not share_done(8, 4, 10.1)  # the nearest multiple of the batch
+    assert share_done(4, 4, 0.5)
+
+
+def test_a_shortfall_is_filled_once_by_the_peers_furthest_below_their_share():
+    peers = [Contribution(b"a", 6, 10.0), Contribution(b"b", 8, 10.0), Contribution(b"c", 8, 10.0)]  # target 24: 22
+    assert [fills_shortfall(p.peer, peers, 24, 2) for p in peers] == [True, False, False]
+    # 6 missing at 2 a batch: all three; with batches of 4, two (the furthest below, then by ID)
+    peers = [Contribution(b"a", 6, 10.0), Contribution(b"b", 6, 10.0), Contribution(b"c", 6, 10.0)]
+    assert [fills_shortfall(p.peer, peers, 24, 2) for p in peers] == [True, True, True]
+    assert [fills_shortfall(p.peer, peers, 24, 4) for p in peers] == [True, True, False]
+    assert not any(fills_shortfall(p.peer, peers, 18, 2) for p in peers)  # the target is reached: nobody

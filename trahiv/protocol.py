@@ -1,13 +1,25 @@
 """The swarm protocol's decisions, as pure functions (no engine, no DHT): which progress records to trust, when a peer
-has missed the swarm's round, how many peers are ready to train. trahiv.engine.optimizer and trahiv.swarm act on them;
+has missed the swarm's round, how many peers are ready to train, how many samples each peer computes per step.
+trahiv.engine.optimizer and trahiv.swarm act on them;
 tests/test_protocol.py checks them in one process."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
-__all__ = ["missed_round", "peer_tiebreak", "ready_peers", "state_priority", "trusted_epoch"]
+__all__ = [
+    "Contribution",
+    "fills_shortfall",
+    "missed_round",
+    "peer_tiebreak",
+    "ready_peers",
+    "share_done",
+    "share_of_target",
+    "state_priority",
+    "trusted_epoch",
+]
 
 
 def trusted_epoch(epochs: list[int], local_epoch: int) -> int:
@@ -44,3 +56,54 @@ def state_priority(step: int, complete: bool, tiebreak: float) -> float:
 def peer_tiebreak(peer_id: bytes) -> float:
     """A fraction in [0, 0.25) fixed by the peer's ID."""
     return int.from_bytes(hashlib.sha256(peer_id).digest()[:4], "big") / 2**32 / 4
+
+
+# --- samples per collaborative step --------------------------------------------------------------------------------
+
+
+MIN_RATE = 1e-6  # samples per second: below this, a peer has not measured its throughput yet (hivemind reports 1e-20)
+
+
+class Contribution(NamedTuple):
+    """One trainer's progress record in the current step: who, samples so far, samples per second."""
+
+    peer: bytes
+    samples: int
+    rate: float
+
+
+def _share(target: int, contribution: Contribution, contributions: Sequence[Contribution]) -> float:
+    if not contributions or any(c.rate < MIN_RATE for c in contributions):  # a peer that has not measured it yet
+        return target / max(len(contributions), 1)
+    total_rate = sum(c.rate for c in contributions)
+    return target * max(contribution.rate, 0.0) / total_rate
+
+
+def share_done(samples: int, batch: int, share: float) -> bool:
+    """Whether a peer that accumulated `samples` (in batches of `batch`) computed its share of the step: its samples
+    are the multiple of its batch nearest to the share (the nearest, not the next: rounding every peer's share up
+    added half a batch per peer, 12-25% of a 4-peer step of 4 batches each)."""
+    return samples > 0 and samples + batch / 2 > share
+
+
+def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: int, batch: int) -> bool:
+    """The swarm's reports settled below `target` (every peer computed its rounded share): whether peer `own` computes
+    one more batch. Peers are ranked by how far they are below their share (then by ID); the first ones, enough to
+    cover the shortfall at `batch` samples each, compute. Every peer ranks the same records the same way, so the
+    shortfall is filled once, not once per peer."""
+    missing = target - sum(c.samples for c in contributions)
+    if missing <= 0:
+        return False
+    ranked = sorted(contributions, key=lambda c: (c.samples - _share(target, c, contributions), c.peer))
+    for index, contribution in enumerate(ranked):
+        if index * batch >= missing:
+            return False
+        if contribution.peer == own:
+            return True
+    return False
+
+
+def share_of_target(target: int, own: Contribution, contributions: Sequence[Contribution]) -> float:
+    """A peer's share of the step's samples: target x its throughput / the swarm's (equal shares while a peer has not
+    measured its throughput yet)."""
+    return _share(target, own, contributions)

@@ -26,7 +26,7 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -35,7 +35,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
@@ -100,6 +100,58 @@ class EpochKeyedMatchmaking(DecentralizedAverager):
         if epoch is not None and epoch != self._round_epoch:
             self.set_group_bits(epoch_group_bits(epoch), wait=False)
         self._round_epoch = epoch
+
+    # --- a group assembles as soon as every expected peer joined it ----------------------------------------------
+    # hivemind 1.1.12's leader (with no target_group_size, which would cap the group) assembles its group only when
+    # the time it declared runs out: at least `matchmaking_time` after the round was scheduled, although every peer
+    # of a small swarm joins within a fraction of a second. Every synchronous step then cost matchmaking_time (15 s
+    # by default) on top of its compute. The owner (SwarmOptimizer) tells the averager which peers it expects in the
+    # round (the trainers the progress tracker sees at this step); a leader whose followers include them all
+    # assembles at once. Other peers may still join before that (an auxiliary peer); a peer that does not come
+    # (gone, or not seen yet) costs the declared time, as before.
+
+    _expected_peers: frozenset[bytes] = frozenset()  # in the owner's process: what was last sent
+    _expected_here: frozenset[PeerID] = frozenset()  # in the averager's process
+
+    def expect_peers(self, peers: Iterable[bytes]) -> None:
+        """The peer IDs (own included) expected in this averager's next group; fewer than two: none expected."""
+        expected = frozenset(peers)
+        expected = expected if len(expected) >= 2 else frozenset()
+        if expected != self._expected_peers:
+            self._expected_peers = expected
+            self._outer_pipe.send(("_set_expected_peers", [], dict(peers=expected)))
+
+    async def _set_expected_peers(self, peers: frozenset[bytes]) -> None:
+        self._expected_here = frozenset(PeerID(peer) for peer in peers)
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is not None:
+            async with matchmaking.lock_request_join_group:
+                await self._assemble_if_all_expected(matchmaking)
+
+    async def _assemble_if_all_expected(self, matchmaking: Any) -> None:
+        """hivemind's "outcome 1" (Matchmaking.rpc_join_group assembles a full group), for a group that holds every
+        expected peer. Called with the matchmaking's join lock held."""
+        expected = self._expected_here
+        if (
+            expected
+            and matchmaking.is_looking_for_group
+            and not matchmaking.assembled_group.done()
+            and matchmaking.current_leader is None
+            and matchmaking.current_followers
+            and expected <= {matchmaking.peer_id, *matchmaking.current_followers}
+        ):
+            logger.debug(f"All {len(expected)} expected peers joined: assembling the group now")
+            await matchmaking.leader_assemble_group()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's handler; once a follower is accepted, the group assembles if it now holds every expected peer.
+        (Between the ACCEPTED message and the next one, hivemind's handler still holds the join lock.)"""
+        async for response in super().rpc_join_group(request, context):
+            yield response
+            if response.code == averaging_pb2.ACCEPTED:
+                await self._assemble_if_all_expected(self._matchmaking)
 
 
 class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):

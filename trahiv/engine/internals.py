@@ -317,6 +317,13 @@ INTERNALS: tuple[Internal, ...] = (
         "(self, group_info: hivemind.averaging.group_info.GroupInfo)",
     ),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "group_bits", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "leader_assemble_group", "method", "(self) -> 'GroupInfo'"),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "is_looking_for_group", "attribute", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "lock_request_join_group", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "assembled_group", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "current_leader", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "current_followers", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "peer_id", "instance", None),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "target_group_size", "instance", None),
 )
 

@@ -40,7 +40,16 @@ from trahiv.engine.averagers import (
 )
 from trahiv.engine.gate import gated
 from trahiv.engine.state import download_state, load_state
-from trahiv.protocol import missed_round, peer_tiebreak, state_priority, trusted_epoch
+from trahiv.protocol import (
+    Contribution,
+    fills_shortfall,
+    missed_round,
+    peer_tiebreak,
+    share_done,
+    share_of_target,
+    state_priority,
+    trusted_epoch,
+)
 
 if TYPE_CHECKING:
     from trahiv.auth.gate import AuthGate
@@ -63,6 +72,8 @@ UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a
 LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer looks for a group
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
+HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
+SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 
 
 def in_group(control: Any) -> bool:
@@ -218,6 +229,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.revert: Any = None  # trahiv.revert.RevertFollower in a moderated swarm
         self._next_unconfirmed_check = 0.0  # the first far-ahead record is checked at once (no quorum with 2 peers)
         self._next_progress_check = 0.0
+        self._hold_released: int | None = None  # the step in which waiting for the others' reports gave up
+        self._last_batch = 0  # samples in this peer's last accumulated batch
         self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
@@ -286,17 +299,84 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.has_other_peers:
             super()._maybe_schedule_gradient_averaging()
+            # (hivemind calls this right after accumulating a batch, before it looks whether the step is due)
+            self._hold_at_share()
 
-    def _maybe_schedule_state_averaging(self) -> None:
-        if self.tracker.has_other_peers:
-            super()._maybe_schedule_state_averaging()
+    # --- samples per step: each peer computes its share of target_batch_size, then waits for the others' reports ---
+
+    def _contributions(self) -> list[Contribution]:
+        """What the trainers contributed to this peer's step, as the DHT last showed their progress records (a peer
+        still finishing the previous step has contributed nothing yet; one already past this step is not counted)."""
+        epoch = self.local_epoch
+        return [
+            Contribution(
+                record.peer_id, record.samples_accumulated if record.epoch == epoch else 0, record.samples_per_second
+            )
+            for record in self.tracker.active_peers.values()
+            if record.epoch <= epoch
+        ]
+
+    def _hold_at_share(self) -> None:
+        """A peer that computed its share of the step waits (up to a bound) for the others' progress reports instead of
+        computing past the target. hivemind's target_batch_size is a minimum: peers compute until they *see* the swarm
+        reach it, and progress reports take 0.1-1 s to travel through the DHT; with local steps shorter than that, the
+        swarm computed 3-4x the target per step (benchmarks/convergence.py: 4 peers x 2 samples, target 32: ~110
+        samples a step), and the learning-rate schedule, tuned for one batch size, trained with another.
+        Shares follow the throughputs the peers report (`trahiv.protocol.share_of_target`), rounded to whole batches;
+        if the reports settle below the target, the peers furthest below their shares compute one more batch each
+        (`fills_shortfall`). The wait ends as soon as the reports reach the target (or the swarm moved on); if they do
+        not within twice the time the others should need (at least HOLD_MIN), this peer computes on for the rest of the
+        step, as hivemind does."""
+        tracker, batch = self.tracker, self._last_batch
+        if self.auxiliary or self._hold_released == self.local_epoch or tracker.ready_to_update_epoch or batch <= 0:
+            return
+        own_id = self.dht.peer_id.to_bytes()
+        own = Contribution(
+            own_id, tracker.local_progress.samples_accumulated, tracker.performance_ema.samples_per_second
+        )
+        others = [c for c in self._contributions() if c.peer != own_id]
+        share = share_of_target(tracker.target_batch_size, own, [own, *others])
+        if not share_done(own.samples, batch, share):
+            return
+        if not self._live_round(self.scheduled_grads):  # the step is near whatever the ETA says: join its group now
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+        others_rate = max(sum(c.rate for c in others), 1e-9)
+        missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
+        deadline = time.monotonic() + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
+        settled, last_seen = 0, None
+        with tracker.performance_ema.pause():  # waiting is not this peer's throughput
+            while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
+                time.sleep(PROGRESS_RECHECK_PERIOD)
+                tracker.refresh_now()
+                seen = self._contributions()
+                reported = {c.peer: c.samples for c in seen}
+                in_place = reported.get(own_id) == own.samples and all(samples > 0 for samples in reported.values())
+                settled = settled + 1 if in_place and seen == last_seen else 0
+                last_seen = seen
+                if settled >= SETTLED_FETCHES and fills_shortfall(own_id, seen, tracker.target_batch_size, batch):
+                    return  # compute one more batch: the swarm's reports settled below the target
+        if not tracker.ready_to_update_epoch:
+            self._hold_released = self.local_epoch
+            logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
 
     def _key_rounds_by_step(self) -> None:
         """Matchmaking of this step's rounds is keyed by the step (see EpochKeyedMatchmaking): the gradient round that
         ends step k, and the parameter round that hivemind runs as the step becomes k + 1."""
         self.state_averager.round_epoch = self.local_epoch + 1
+        self.state_averager.expect_peers(self._peers_for_round(self.local_epoch + 1))
         if self.grad_averager is not None:
             self.grad_averager.round_epoch = self.local_epoch
+            self.grad_averager.expect_peers(self._peers_for_round(self.local_epoch))
+
+    def _peers_for_round(self, epoch: int) -> list[bytes]:
+        """The peers expected in the round of step `epoch`: this one, and every trainer whose progress record is at
+        that step or one before it (still finishing the previous step). A group that holds them all assembles at
+        once instead of waiting for matchmaking_time (EpochKeyedMatchmaking.expect_peers)."""
+        peers = [self.dht.peer_id.to_bytes()]
+        for record in self.tracker.active_peers.values():
+            if epoch - 1 <= record.epoch <= epoch:
+                peers.append(record.peer_id)
+        return peers
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
@@ -321,6 +401,20 @@ class SwarmOptimizer(hivemind.Optimizer):
         differs = self._stepped_alone or (partial and self.tracker.has_other_peers)
         self._resync_epoch = self.local_epoch if differs else None
         self._declare_state(complete=not differs)
+
+    @staticmethod
+    def _live_round(control: Any) -> bool:
+        """A scheduled round (StepControl) that was not used yet."""
+        return control is not None and not control.triggered and not control.done()
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        """hivemind's, but a round that was already used (the previous step's, when no round was scheduled for this
+        one: the progress fetch that made the step due came after this step's scheduling check) is dropped and a new
+        one begun. hivemind logged "Not using pre-scheduled group" and skipped averaging: the peer stepped alone with
+        its own gradients, and the others then downloaded its state (seen with 4 peers and 0.1 s local steps)."""
+        if self.scheduled_grads is not None and not self._live_round(self.scheduled_grads):
+            self.scheduled_grads = None
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def _new_gradient_reports(self) -> list:
         """Reports of the gradient rounds finished since the last look (also counted in `averaging_rounds`)."""
@@ -455,6 +549,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         accumulated = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
         if accumulated:
             self.samples_contributed += batch_size
+            self._last_batch = batch_size
         return accumulated
 
 
