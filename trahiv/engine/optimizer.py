@@ -218,6 +218,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     can report its true number of samples, and the samples this peer contributed are counted."""
 
     tracker: SwarmProgressTracker
+    scheduled_grads: Any  # hivemind's StepControl of the next gradient round (set in hivemind's __init__)
     state_averager_cls: type[RobustTrainingStateAverager] = ReportingStateAverager  # tests swap in a faulty one
 
     def __init__(self, *, dht: hivemind.DHT, state_averager_cls: type | None = None, **kwargs: Any):
