@@ -304,6 +304,16 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         caps = {peer: 1.0 for peer in group_info.peer_ids}  # every peer weighs 1 in state averaging (hivemind's)
         await run_robust_allreduce_(self, self.aggregation, tensors, group_info, weight_caps=caps, **kwargs)
 
+    def get_current_state(self) -> tuple[Any, list[torch.Tensor], Any]:
+        """hivemind's state for a peer that downloads it, as one snapshot. hivemind 1.1.12 read the step, then handed
+        the averager process the live parameter tensors themselves (`.cpu()` of a CPU tensor is the tensor; the pipe
+        shares its memory), and they were read while being sent: a joiner got step k's label with step k+1's
+        parameters whenever the server stepped meanwhile (tests/test_faults.py, once the steps got short). Here the
+        tensors are copied while no optimizer step or parameter round is running."""
+        with self.lock_optimizer, self.lock_averaging:
+            metadata, tensors, infos = super().get_current_state()
+            return metadata, [tensor.detach().clone() for tensor in tensors], infos
+
     def _expected_state_shapes(self) -> list[tuple] | None:
         with torch.no_grad(), self.lock_averaged_tensors:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]

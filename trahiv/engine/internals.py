@@ -188,6 +188,8 @@ INTERNALS: tuple[Internal, ...] = (
         "hivemind.optim.state_averager:TrainingStateAverager", "_load_local_tensors_into_averager_", "method", "(self)"
     ),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "get_current_state", "method", "(self)"),
+    Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_optimizer", "instance", None),
+    Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_averaging", "instance", None),
     Internal(
         "hivemind.optim.state_averager:TrainingStateAverager",
         "schedule_step",

@@ -307,14 +307,15 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _contributions(self) -> list[Contribution]:
         """What the trainers contributed to this peer's step, as the DHT last showed their progress records (a peer
-        still finishing the previous step has contributed nothing yet; one already past this step is not counted)."""
+        still finishing the previous step has contributed nothing yet; one already past this step, or two steps behind
+        (gone, or downloading the swarm's state), is not counted)."""
         epoch = self.local_epoch
         return [
             Contribution(
                 record.peer_id, record.samples_accumulated if record.epoch == epoch else 0, record.samples_per_second
             )
             for record in self.tracker.active_peers.values()
-            if record.epoch <= epoch
+            if epoch - 1 <= record.epoch <= epoch
         ]
 
     def _hold_at_share(self) -> None:
