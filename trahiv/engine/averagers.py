@@ -309,8 +309,9 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         the averager process the live parameter tensors themselves (`.cpu()` of a CPU tensor is the tensor; the pipe
         shares its memory), and they were read while being sent: a joiner got step k's label with step k+1's
         parameters whenever the server stepped meanwhile (tests/test_faults.py, once the steps got short). Here the
-        tensors are copied while no optimizer step or parameter round is running."""
-        with self.lock_optimizer, self.lock_averaging:
+        tensors are copied while no optimizer step is running. (Not waiting for a parameter round as well: it can last
+        `averaging_timeout`, longer than a joiner waits for the first chunk.)"""
+        with self.lock_optimizer:
             metadata, tensors, infos = super().get_current_state()
             return metadata, [tensor.detach().clone() for tensor in tensors], infos
 

@@ -189,7 +189,6 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "get_current_state", "method", "(self)"),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_optimizer", "instance", None),
-    Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_averaging", "instance", None),
     Internal(
         "hivemind.optim.state_averager:TrainingStateAverager",
         "schedule_step",

@@ -73,6 +73,9 @@ LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer lo
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
+STALE_STEPS = (
+    3  # a peer that reported nothing for this many collaborative steps (at the swarm's pace) is not waited for
+)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 
 
@@ -308,14 +311,19 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _contributions(self) -> list[Contribution]:
         """What the trainers contributed to this peer's step, as the DHT last showed their progress records (a peer
         still finishing the previous step has contributed nothing yet; one already past this step, or two steps behind
-        (gone, or downloading the swarm's state), is not counted)."""
-        epoch = self.local_epoch
+        (gone, or downloading the swarm's state), is not counted; nor is one whose last report is older than
+        STALE_STEPS collaborative steps at the swarm's throughput, and at least HOLD_MIN: a frozen or killed peer,
+        whose record outlives it, would otherwise hold the others at every step until its record expires)."""
+        epoch, records = self.local_epoch, list(self.tracker.active_peers.values())
+        swarm_rate = sum(record.samples_per_second for record in records)
+        stale = max(HOLD_MIN, STALE_STEPS * self.tracker.target_batch_size / max(swarm_rate, 1e-9))
+        now, own = get_dht_time(), self.dht.peer_id.to_bytes()
         return [
             Contribution(
                 record.peer_id, record.samples_accumulated if record.epoch == epoch else 0, record.samples_per_second
             )
-            for record in self.tracker.active_peers.values()
-            if epoch - 1 <= record.epoch <= epoch
+            for record in records
+            if epoch - 1 <= record.epoch <= epoch and (record.peer_id == own or now - record.time <= stale)
         ]
 
     def _hold_at_share(self) -> None:
