@@ -73,9 +73,7 @@ LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer lo
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
-STALE_STEPS = (
-    3  # a peer that reported nothing for this many collaborative steps (at the swarm's pace) is not waited for
-)
+STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the swarm's pace + 1 s: not waited for
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 
 
@@ -235,6 +233,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._next_progress_check = 0.0
         self._hold_released: int | None = None  # the step in which waiting for the others' reports gave up
         self._last_batch = 0  # samples in this peer's last accumulated batch
+        self._last_transition_s = 0.0  # seconds this peer's last step transition (its averaging rounds) took
         self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
@@ -311,12 +310,14 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _contributions(self) -> list[Contribution]:
         """What the trainers contributed to this peer's step, as the DHT last showed their progress records (a peer
         still finishing the previous step has contributed nothing yet; one already past this step, or two steps behind
-        (gone, or downloading the swarm's state), is not counted; nor is one whose last report is older than
-        STALE_STEPS collaborative steps at the swarm's throughput, and at least HOLD_MIN: a frozen or killed peer,
-        whose record outlives it, would otherwise hold the others at every step until its record expires)."""
+        (gone, or downloading the swarm's state), is not counted; nor is one whose last report is older than this
+        peer's last step transition (its averaging rounds) plus STALE_STEPS collaborative steps at the swarm's
+        throughput plus STALE_MARGIN: a frozen or killed peer, whose record outlives it, would otherwise hold the others
+        at the next step too)."""
         epoch, records = self.local_epoch, list(self.tracker.active_peers.values())
         swarm_rate = sum(record.samples_per_second for record in records)
-        stale = max(HOLD_MIN, STALE_STEPS * self.tracker.target_batch_size / max(swarm_rate, 1e-9))
+        pace = STALE_STEPS * self.tracker.target_batch_size / max(swarm_rate, 1e-9)
+        stale = self._last_transition_s + min(pace, HOLD_MAX) + STALE_MARGIN
         now, own = get_dht_time(), self.dht.peer_id.to_bytes()
         return [
             Contribution(
@@ -399,7 +400,11 @@ class SwarmOptimizer(hivemind.Optimizer):
             return
         self._key_rounds_by_step()
         self._stepped_alone = self._left_behind = False
-        super()._update_global_epoch(grad_scaler)
+        began = time.monotonic()
+        try:
+            super()._update_global_epoch(grad_scaler)
+        finally:
+            self._last_transition_s = time.monotonic() - began  # (the averaging rounds of the step: see _contributions)
         if self._left_behind:  # the swarm finished the step while this peer looked for a group: take its state
             logger.info(
                 f"The swarm moved on to step {self.tracker.global_epoch} without this peer: downloading its state"
