@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]  # a busy machine may
 
 RUN_ID = "authrun"
 LIFETIME = 10.0
-MAX_STEPS = 14
+MAX_STEPS = 24  # each step takes >= 1 s (2 local steps of 0.5 s): >= 2 steps after the banned token expired
 
 
 @dataclass
@@ -100,7 +100,7 @@ def swarm(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth-swarm")
     tokens = {name: server.add_user(name) for name in ("alice", "bob", "mallory", "eve")}
     torch.save(torch.randint(0, 100, (256, 8)), tmp / "blocks.pt")  # the toy model ignores the data
-    common = dict(workdir=str(tmp), run_id=RUN_ID, target=12, max_steps=MAX_STEPS, batch_size=2, sleep_per_step=0.2,
+    common = dict(workdir=str(tmp), run_id=RUN_ID, target=12, max_steps=MAX_STEPS, batch_size=2, sleep_per_step=0.5,
                   opt={"min_peers": 3, "min_peers_timeout": 240})  # fmt: skip
     peers: dict[str, Peer] = {}
     intruder = None
