@@ -307,24 +307,28 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     # --- samples per step: each peer computes its share of target_batch_size, then waits for the others' reports ---
 
-    def _contributions(self) -> list[Contribution]:
-        """What the trainers contributed to this peer's step, as the DHT last showed their progress records (a peer
-        still finishing the previous step has contributed nothing yet; one already past this step, or two steps behind
-        (gone, or downloading the swarm's state), is not counted; nor is one whose last report is older than this
-        peer's last step transition (its averaging rounds) plus STALE_STEPS collaborative steps at the swarm's
-        throughput plus STALE_MARGIN: a frozen or killed peer, whose record outlives it, would otherwise hold the others
-        at the next step too)."""
-        epoch, records = self.local_epoch, list(self.tracker.active_peers.values())
+    def _fresh_records(self) -> list[Any]:
+        """The trainers' progress records, less those whose last report is older than this peer's last step transition
+        (its averaging rounds) plus STALE_STEPS collaborative steps at the swarm's throughput plus STALE_MARGIN: a
+        frozen or killed peer, whose record outlives it, is not waited for (this peer's own record always counts)."""
+        records = list(self.tracker.active_peers.values())
         swarm_rate = sum(record.samples_per_second for record in records)
         pace = STALE_STEPS * self.tracker.target_batch_size / max(swarm_rate, 1e-9)
         stale = self._last_transition_s + min(pace, HOLD_MAX) + STALE_MARGIN
         now, own = get_dht_time(), self.dht.peer_id.to_bytes()
+        return [record for record in records if record.peer_id == own or now - record.time <= stale]
+
+    def _contributions(self) -> list[Contribution]:
+        """What the trainers contributed to this peer's step (`_fresh_records`): a peer finishing the previous step
+        has contributed nothing yet; one already past this step, or two steps behind (downloading the swarm's state),
+        is not counted."""
+        epoch = self.local_epoch
         return [
             Contribution(
                 record.peer_id, record.samples_accumulated if record.epoch == epoch else 0, record.samples_per_second
             )
-            for record in records
-            if epoch - 1 <= record.epoch <= epoch and (record.peer_id == own or now - record.time <= stale)
+            for record in self._fresh_records()
+            if epoch - 1 <= record.epoch <= epoch
         ]
 
     def _hold_at_share(self) -> None:
