@@ -305,6 +305,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             # (hivemind calls this right after accumulating a batch, before it looks whether the step is due)
             self._hold_at_share()
 
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.has_other_peers:
+            super()._maybe_schedule_state_averaging()
+
     # --- samples per step: each peer computes its share of target_batch_size, then waits for the others' reports ---
 
     def _fresh_records(self) -> list[Any]:
