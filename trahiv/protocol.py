@@ -72,11 +72,12 @@ class Contribution(NamedTuple):
     rate: float
 
 
-def _share(target: int, contribution: Contribution, contributions: Sequence[Contribution]) -> float:
-    if not contributions or any(c.rate < MIN_RATE for c in contributions):  # a peer that has not measured it yet
+def share_of_target(target: int, own: Contribution, contributions: Sequence[Contribution]) -> float:
+    """A peer's share of the step's samples: target x its throughput / the swarm's (equal shares while a peer has not
+    measured its throughput yet)."""
+    if not contributions or any(c.rate < MIN_RATE for c in contributions):
         return target / max(len(contributions), 1)
-    total_rate = sum(c.rate for c in contributions)
-    return target * max(contribution.rate, 0.0) / total_rate
+    return target * max(own.rate, 0.0) / sum(c.rate for c in contributions)
 
 
 def share_done(samples: int, batch: int, share: float) -> bool:
@@ -94,16 +95,10 @@ def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: i
     missing = target - sum(c.samples for c in contributions)
     if missing <= 0:
         return False
-    ranked = sorted(contributions, key=lambda c: (c.samples - _share(target, c, contributions), c.peer))
+    ranked = sorted(contributions, key=lambda c: (c.samples - share_of_target(target, c, contributions), c.peer))
     for index, contribution in enumerate(ranked):
         if index * batch >= missing:
             return False
         if contribution.peer == own:
             return True
     return False
-
-
-def share_of_target(target: int, own: Contribution, contributions: Sequence[Contribution]) -> float:
-    """A peer's share of the step's samples: target x its throughput / the swarm's (equal shares while a peer has not
-    measured its throughput yet)."""
-    return _share(target, own, contributions)
