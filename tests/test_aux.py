@@ -309,6 +309,7 @@ def test_optional_trackers_fail_clearly_when_missing(tmp_path):
 # --- `trahiv aux` with three trainers, an attacker, a restart ---------------------------------------------------------
 
 RUN_ID, TARGET, MAX_STEPS = "aux_test", 48, 4
+STATE_EVERY = 2  # parameter rounds as the trainers enter steps 2 and 4: led by the aux peer (trainers in client mode)
 MALFORMED_ID = "QmMa1formedPeer1111111111111111111111111111111"
 
 
@@ -316,7 +317,8 @@ def start_aux(tmp: Path, name: str, output_dir: Path, *extra: str) -> SimpleName
     """`trahiv aux` in a subprocess; returns once it printed its join addresses."""
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
-    opt = {"run_id": RUN_ID, "target_batch_size": TARGET, "matchmaking_time": 2.0, "averaging_timeout": 30.0}  # theirs
+    opt = {"run_id": RUN_ID, "target_batch_size": TARGET, "matchmaking_time": 2.0, "averaging_timeout": 30.0,
+           "average_state_every": STATE_EVERY}  # theirs  # fmt: skip
     config = {"dht": {"nat_port_map": False}, "opt": opt}
     command = [
         sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config), "--output-dir", str(output_dir),
@@ -392,7 +394,7 @@ def swarm(tmp_path_factory, workdir):
     try:
         common = dict(
             workdir=str(workdir), run_id=RUN_ID, target=TARGET, max_steps=MAX_STEPS, initial_peers=aux.initial_peers,
-            sleep_per_step=0.2, opt={"min_peers": 3, "min_peers_timeout": 90},
+            sleep_per_step=0.2, opt={"min_peers": 3, "min_peers_timeout": 90, "average_state_every": STATE_EVERY},
             dht={"client_mode": True},  # volunteers behind NAT: only the aux peer accepts connections and can reduce
         )  # fmt: skip
         peers = [
@@ -505,6 +507,11 @@ def test_aux_peer_helps_average_the_gradients(swarm):
     helped = re.findall(r"Averaging helper, step (\d+): complete averaging round with (\d) peers", log)
     steps = {int(step) for step, size in helped if size == "4"}  # the three trainers and the aux peer
     assert len(steps) >= MAX_STEPS - 1, log[-3000:]  # (the first step may form its group before the aux joins)
+    # parameter rounds: no trainer can lead one (all in client mode): the aux peer leads them, with all three
+    led = re.findall(r"Averaging helper, step (\d+) \(parameters\): complete averaging round with (\d) peers", log)
+    assert led == [(str(step), "4") for step in range(STATE_EVERY, MAX_STEPS + 1, STATE_EVERY)], log[-3000:]
+    for peer in swarm.peers:
+        assert "Skipping parameter averaging" not in peer.log() and "could not find a group" not in peer.log()
     grads = {"a": 1.0, "b": 2.0, "c": 3.0}
     peers = dict(zip("abc", swarm.peers, strict=True))
     for step in sorted(steps):

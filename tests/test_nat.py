@@ -101,8 +101,10 @@ def test_two_volunteers_behind_nat_without_a_public_trainer_are_warned(topology,
 @pytest.mark.parametrize("topology", [(1, 2)], indirect=True)
 def test_two_volunteers_behind_nat_average_through_the_aux_peer(topology, tmp_path, workdir):
     """No public trainer: `trahiv aux --average` on the public host is the one peer that accepts connections; both
-    volunteers (README recipe) switch to client mode and average every step through it, holding the same parameters.
-    Parameter averaging (step 5: average_state_every) cannot form among client-mode trainers: skipped, said once."""
+    volunteers (README recipe) switch to client mode and average every step through it. Their learning rates differ,
+    so the same averaged gradients move them apart (as a partial round or a different start would; client-mode peers
+    cannot download each other's state); the parameter round the aux peer leads (step 5: average_state_every) brings
+    them back together."""
     out = tmp_path / "aux"
     out.mkdir()
     opt = {"run_id": "nat_aux", "target_batch_size": 64, "matchmaking_time": 2.0}
@@ -123,16 +125,23 @@ def test_two_volunteers_behind_nat_average_through_the_aux_peer(topology, tmp_pa
         common = dict(workdir=str(workdir), run_id="nat_aux", target=64, batch_size=8, max_steps=5, sleep_per_step=0.5)
         # (steps of 0.5 s: one peer alone takes 4 s to reach the target, time for the other to finish starting)
         common.update(initial_peers=initial_peers, opt={"min_peers": 2})
-        peers = [netns.start_peer_in(home, tmp_path, f"home{i}", **common) for i, home in enumerate(topology.homes)]
+        peers = [
+            netns.start_peer_in(home, tmp_path, f"home{i}", lr=3e-3 * (i + 1), **common)
+            for i, home in enumerate(topology.homes)
+        ]
         dones = [peer.finish() for peer in peers]
     finally:
         stop(aux)
     for peer, done in zip(peers, dones, strict=True):
         log = peer.log()
         assert "Switching to client mode" in log and done["global_step"] == 5, log[-3000:]
-        assert done["averaging_rounds"] == {"complete": 5, "partial": 0, "failed": 0}, done
-        assert log.count("Skipping parameter averaging") == 1 and "could not find a group" not in log, log[-3000:]
+        # 5 gradient rounds and the parameter round, all through the aux peer
+        assert done["averaging_rounds"] == {"complete": 6, "partial": 0, "failed": 0}, done
+        assert "Skipping parameter averaging" not in log and "could not find a group" not in log, log[-3000:]
+    aux_log = (out / "log.txt").read_text()
+    assert "step 5 (parameters): complete averaging round with 3 peers" in aux_log, aux_log[-3000:]
     first, second = (peer.params_at() for peer in peers)
-    for step in range(1, 6):
-        assert first[step]["checksum"] == pytest.approx(second[step]["checksum"], rel=1e-6, abs=1e-4), step
-        assert first[step]["abs"] == pytest.approx(second[step]["abs"], rel=1e-6), step
+    for step in range(2, 5):  # the same averaged gradients, different steps (step 1: lr 0 in the first update)
+        assert first[step]["abs"] != pytest.approx(second[step]["abs"], rel=1e-3), step
+    assert first[5]["checksum"] == pytest.approx(second[5]["checksum"], rel=1e-6, abs=1e-4)
+    assert first[5]["abs"] == pytest.approx(second[5]["abs"], rel=1e-6)

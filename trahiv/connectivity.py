@@ -35,9 +35,13 @@ __all__ = [
     "DialBackLimiter",
     "PeerView",
     "SilenceWatch",
+    "PARAMETER_HELPER_TTL",
     "address_kind",
+    "announce_parameter_helper",
     "dialable",
     "join_lines",
+    "parameter_helpers",
+    "parameter_helpers_key",
     "probe_reachability",
     "request_dialback",
     "serve_dialback",
@@ -419,3 +423,31 @@ def unreachable_peers(dht: Any, peers: Sequence[str]) -> list[str]:
     except Exception as e:  # a diagnosis must never stop training
         logger.debug(f"Pinging peers failed: {e!r}")
         return []
+
+
+# --- parameter helpers: auxiliary peers that lead the parameter rounds of trainers in client mode ---------------------
+# Trainers in client mode (behind NAT) cannot lead a group, so among themselves no parameter round can form
+# (trahiv.engine.watch skips those rounds). `trahiv aux --average` leads them, and says so under this key; a trainer
+# that sees a fresh announcement schedules its parameter rounds again.
+
+PARAMETER_HELPER_TTL = 30.0  # seconds an announcement lasts; the helper renews it every third of that
+
+
+def parameter_helpers_key(run_id: str) -> str:
+    return f"{run_id}_parameter_helpers"
+
+
+def announce_parameter_helper(dht: Any, run_id: str) -> bool:
+    """This peer leads the parameter rounds of trainers in client mode, for PARAMETER_HELPER_TTL seconds."""
+    from hivemind.utils import get_dht_time
+
+    subkey = dht.peer_id.to_base58()
+    key, expiration = parameter_helpers_key(run_id), get_dht_time() + PARAMETER_HELPER_TTL
+    return bool(dht.store(key, subkey=subkey, value=True, expiration_time=expiration))
+
+
+def parameter_helpers(dht: Any, run_id: str) -> list[str]:
+    """Peers whose announcement as a parameter helper of run `run_id` has not expired (malformed entries ignored)."""
+    found = dht.get(parameter_helpers_key(run_id), latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    return sorted(str(peer) for peer, entry in entries.items() if getattr(entry, "value", None) is True)

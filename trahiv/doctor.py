@@ -227,10 +227,24 @@ async def _check_dialback(
     return None, Check(name, "skip", "no initial peer runs trahiv's dial-back service (an older version?): not checked")
 
 
+# The data a relay of hivemind 1.1.12's p2pd carries per relayed connection before it resets it: libp2p's default
+# circuit limit (its daemon also starts a relay with the defaults, next to the one its -relayDataLimit configures).
+# Measured in a namespace topology like tests/netns.py's, with a public relay given as a static relay: averaging
+# 4,000 and 80,000 bytes through it worked, 400,000 bytes ended in "Connection reset by peer".
+RELAY_DATA_LIMIT = 128 * 1024
+
+
 def _check_relays(announced: list[str], use_relay: bool, dialback: DialBack | None) -> Check:
     relayed = [a for a in announced if address_kind(a) == "relay"]
-    if relayed:
-        return Check("relays", "ok", f"reachable through {len(relayed)} relay address(es)")
+    if relayed:  # p2pd's relays: hivemind's daemon serves circuits with libp2p's default limit per connection
+        return Check(
+            "relays",
+            "warn",
+            f"reachable only through {len(relayed)} relay address(es): a relayed connection carries at most "
+            f"{RELAY_DATA_LIMIT // 1024} KiB, too little for averaging",
+            "run in client mode (dht.client_mode: true or 'auto'): it averages through reachable peers or "
+            "`trahiv aux --average`",
+        )
     if dialback is not None and dialback.ok:
         return Check("relays", "ok", "not needed: this peer is reachable directly")
     if not use_relay:
@@ -238,7 +252,8 @@ def _check_relays(announced: list[str], use_relay: bool, dialback: DialBack | No
     return Check(
         "relays",
         "warn",
-        "no relay address announced (hivemind's p2pd found no relay among the initial peers)",
+        "no relay address announced (and hivemind's p2pd relays carry at most "
+        f"{RELAY_DATA_LIMIT // 1024} KiB per connection: too little for averaging)",
         "run in client mode (dht.client_mode: true or 'auto'): it averages through reachable peers or "
         "`trahiv aux --average`",
     )

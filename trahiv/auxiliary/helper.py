@@ -15,6 +15,13 @@ moderated swarm it serves only token holders. It follows the swarm's progress wi
 and joins the all-reduce once the trainers reported `target_batch_size` samples. If it falls behind (the swarm moved
 on), it skips to the swarm's step without averaging; it helps from the first step it sees coming.
 
+Parameter rounds: trainers that are all in client mode cannot lead one among themselves (behind NAT, around this
+peer). The helper then leads them too: every `average_state_every` steps, right after the gradient round, it runs the
+trainers' parameter round in auxiliary mode (trahiv.engine.averagers.AuxiliaryStateAverager: the same tensors'
+shapes, in float32; every trainer weighs 1) and announces itself as a parameter helper in the DHT
+(trahiv.connectivity), so that the trainers schedule those rounds instead of skipping them. Not when the trainers
+also average optimizer statistics (`average_opt_statistics`: their shapes are not in the schema): said once.
+
 Not offered with PowerSGD (`power_sgd_rank`: hivemind's PowerSGD averager has no auxiliary mode) nor for swarms that
 average parameters only (`use_local_updates`): `attach` refuses those with the reason.
 
@@ -83,15 +90,18 @@ class AveragingHelper:
     def __init__(self) -> None:
         self.config: HivemindConfig | None = None
         self.averager: Any = None
+        self.state_averager: Any = None  # parameter rounds of trainers in client mode (None: not offered)
         self.tracker: Any = None
         self.schema_peers: list[str] = []
         self.rounds: dict[str, int] = {}  # complete / partial / failed rounds it took part in (the averager's reports)
+        self.state_rounds: dict[str, int] = {}  # the same for parameter rounds
         self.skipped = 0  # collaborative steps the swarm took without this peer (it fell behind or had no group)
         self._dht: Any = None
         self._gate: Any = None
         self._control: Any = None
         self._averaging: Any = None  # the round `_average` waits for
         self._next_refresh = 0.0
+        self._next_announcement = 0.0
         self._next_waiting_log = time.monotonic() + 10.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,10 +137,17 @@ class AveragingHelper:
                 self.averager.round_reports()  # the last reports, into round_counts
                 self.rounds = dict(self.averager.round_counts)
                 self.averager.shutdown()
+            if self.state_averager is not None:
+                self.state_averager.round_reports()
+                self.state_rounds = dict(self.state_averager.round_counts)
+                self.state_averager.shutdown()
         except Exception as e:
             logger.warning(f"Stopping the averaging helper failed: {e!r}")
-        self.tracker = self.averager = None
-        logger.info(f"Averaging helper stopped: rounds {dict(self.rounds)}, steps skipped {self.skipped}")
+        self.tracker = self.averager = self.state_averager = None
+        logger.info(
+            f"Averaging helper stopped: rounds {dict(self.rounds)}, parameter rounds {dict(self.state_rounds)}, steps "
+            f"skipped {self.skipped}"
+        )
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -207,12 +224,51 @@ class AveragingHelper:
                 averager.shutdown()
                 raise
         self.averager, self.tracker = averager, tracker  # both, or neither (the loop tries again)
+        self.state_averager = self._build_state_averager([param.grad for param in parameters])
         values = sum(int(p.numel()) for p in parameters)
         logger.info(
             f"Averaging helper ready: {len(schema)} tensors, {values:,} values (schema of peers "
-            f"{', '.join(self.schema_peers)})"
+            f"{', '.join(self.schema_peers)}); parameter rounds: "
+            f"{'led when every trainer is in client mode' if self.state_averager is not None else 'not offered'}"
         )
         return True
+
+    def _build_state_averager(self, tensors: list[Any]) -> Any:
+        """The auxiliary side of the trainers' parameter rounds (see the module's docstring), or None."""
+        import torch
+        from hivemind.compression import CompressionInfo, TensorRole
+
+        from trahiv import engine
+        from trahiv.compression import make_compression
+        from trahiv.engine.optimizer import aux_state_averager_factory
+
+        assert self.config is not None
+        opt = self.config.opt
+        if opt.average_opt_statistics:
+            logger.info(
+                "Averaging helper: parameter rounds not offered (the trainers also average optimizer statistics "
+                f"{list(opt.average_opt_statistics)}, whose shapes the helper does not know)"
+            )
+            return None
+        # the trainers' averaged parameters are float32 host copies (hivemind's TrainingStateAverager)
+        state = [t if t.dtype == torch.float32 else torch.zeros(t.shape, dtype=torch.float32) for t in tensors]
+        infos = [CompressionInfo.from_tensor(t, key=i, role=TensorRole.PARAMETER) for i, t in enumerate(state)]
+        with engine.children_ignore_sigint():
+            return aux_state_averager_factory(opt, self._gate)(
+                averaged_tensors=state,
+                dht=self._dht,
+                prefix=f"{opt.run_id}_state_averager",
+                min_matchmaking_time=opt.matchmaking_time,
+                allreduce_timeout=opt.allreduce_timeout or opt.averaging_timeout,
+                shutdown_timeout=opt.shutdown_timeout,
+                next_chunk_timeout=opt.next_chunk_timeout or opt.matchmaking_time,
+                compression=make_compression(opt.state_averaging_compression),
+                tensor_infos=infos,
+                client_mode=False,
+                auxiliary=True,
+                min_group_size=3,  # itself and at least two trainers
+                start=True,
+            )
 
     def _model_records(self) -> dict[str, dict[str, Any]]:
         from trahiv.swarm import model_records
@@ -238,6 +294,7 @@ class AveragingHelper:
         local, swarm = tracker.local_progress.epoch, tracker.global_epoch
         trainers = len(tracker.active_peers)  # (this peer publishes no progress: only trainers are counted)
         can_lead = any(not record.client_mode for record in tracker.active_peers.values())
+        self._announce()
         if swarm > local:  # the trainers moved on: this step's round is over, with or without this peer
             self._next_step(swarm, skipped=True)
         elif tracker.ready_to_update_epoch:  # the trainers reached the step's samples: they average now
@@ -247,8 +304,10 @@ class AveragingHelper:
                 logger.info(f"Averaging helper, step {local}: the trainers (all in client mode) wait for a leader")
             if pending:
                 self._control = None
-                self._average(control, local)
+                self._average(self.averager, control, local)
                 self._next_step(local + 1)
+                if self._leads_parameter_round(local + 1, can_lead):
+                    self._average_parameters(local + 1)
             # else: they average without this peer. No new group before they moved on (it would join theirs).
         elif trainers >= 2 and eta <= opt.matchmaking_time and not pending:
             # (this peer publishes no progress: only trainers are counted, and they average only with another one)
@@ -267,8 +326,48 @@ class AveragingHelper:
         assert self.config is not None
         timeout = self.config.opt.averaging_timeout
         self.averager.round_epoch = self.tracker.local_progress.epoch  # the trainers' rounds are keyed by their step
+        self.averager.expect_peers(self._trainers_at(self.tracker.local_progress.epoch))  # (when it leads)
         self._control = self.averager.schedule_step(scheduled_time=get_dht_time() + wait, timeout=timeout)
         return self._control
+
+    def _trainers_at(self, epoch: int) -> list[bytes]:
+        """This peer and the trainers at step `epoch` or one before: a group it leads assembles once they all joined."""
+        own = self._dht.peer_id.to_bytes()
+        return [own, *(r.peer_id for r in self.tracker.active_peers.values() if epoch - 1 <= r.epoch <= epoch)]
+
+    def _announce(self) -> None:
+        """Say in the DHT that this peer leads parameter rounds (trainers in client mode skip them otherwise)."""
+        from trahiv.connectivity import PARAMETER_HELPER_TTL, announce_parameter_helper
+
+        if self.state_averager is None or time.monotonic() < self._next_announcement:
+            return
+        assert self.config is not None
+        self._next_announcement = time.monotonic() + PARAMETER_HELPER_TTL / 3
+        announce_parameter_helper(self._dht, self.config.opt.run_id)
+
+    def _leads_parameter_round(self, epoch: int, can_lead: bool) -> bool:
+        """The trainers run a parameter round as they enter step `epoch`; this peer leads it if none of them can."""
+        assert self.config is not None
+        return (
+            self.state_averager is not None
+            and not can_lead
+            and epoch % self.config.opt.average_state_every == 0
+            and len(self.tracker.active_peers) >= 2
+        )
+
+    def _average_parameters(self, epoch: int) -> None:
+        """Lead the trainers' parameter round of step `epoch` (right after the gradient round that ended the step
+        before: the trainers run it as they enter this step)."""
+        from hivemind.utils import get_dht_time
+
+        assert self.config is not None
+        opt = self.config.opt
+        self.state_averager.round_epoch = epoch  # keyed like the trainers' (SwarmOptimizer._key_rounds_by_step)
+        self.state_averager.expect_peers(self._trainers_at(epoch))
+        control = self.state_averager.schedule_step(
+            scheduled_time=get_dht_time() + opt.matchmaking_time, timeout=opt.averaging_timeout
+        )
+        self._average(self.state_averager, control, epoch, what="parameters")
 
     def _next_step(self, epoch: int, skipped: bool = False) -> None:
         control, self._control = self._control, None
@@ -281,24 +380,28 @@ class AveragingHelper:
         with self.tracker.pause_updates():
             self.tracker.update_epoch(epoch)
 
-    def _average(self, control: Any, step: int) -> None:
+    def _average(self, averager: Any, control: Any, step: int, what: str = "") -> None:
         opt = self.config.opt if self.config is not None else None
         assert opt is not None
+        label = f"step {step}" + (f" ({what})" if what else "")
         self._averaging = control
         try:
-            self.averager.step(control=control, wait=True, timeout=opt.averaging_timeout)
+            averager.step(control=control, wait=True, timeout=opt.averaging_timeout)
         except BaseException as e:
             if not control.done():
                 control.cancel()
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            self.skipped += 1  # no group (a round that began and failed is also reported below)
-            logger.info(f"Averaging helper, step {step}: no round ({e!r})")
+            if averager is self.averager:
+                self.skipped += 1  # no group (a round that began and failed is also reported below)
+            logger.info(f"Averaging helper, {label}: no round ({e!r})")
         finally:
             self._averaging = None
-            for report in self.averager.round_reports():  # also counted in the averager's round_counts
-                logger.info(f"Averaging helper, step {step}: {report.describe()}")
+            for report in averager.round_reports():  # also counted in the averager's round_counts
+                logger.info(f"Averaging helper, {label}: {report.describe()}")
         self.rounds = dict(self.averager.round_counts)
+        if self.state_averager is not None:
+            self.state_rounds = dict(self.state_averager.round_counts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

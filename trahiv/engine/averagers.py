@@ -61,6 +61,7 @@ CAPS_FETCH_TIMEOUT_S = 2.0
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
 
 __all__ = [
+    "AuxiliaryStateAverager",
     "CheckedStateDownload",
     "EpochKeyedMatchmaking",
     "PartialRoundRunner",
@@ -69,6 +70,7 @@ __all__ = [
     "ReportingMixin",
     "ReportingStateAverager",
     "RobustAverager",
+    "RobustAuxiliaryStateAverager",
     "RobustGradientAverager",
     "RobustPowerSGDGradientAverager",
     "RobustTrainingStateAverager",
@@ -333,6 +335,37 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         return TrainingStateAverager._get_handle_name(namespace, method_name)
 
 
+class RobustAuxiliaryStateAverager(EpochKeyedMatchmaking):
+    """An auxiliary peer's side of the trainers' parameter rounds (`trahiv aux --average`): hivemind's averager in
+    auxiliary mode under the trainers' state averager's name, with their robust all-reduce (every trainer weighs 1, as
+    in RobustTrainingStateAverager). It holds no model and no optimizer: its tensors give the shapes of the trainers'
+    averaged state (their parameters, when they average no optimizer statistics) and it sends none of its own."""
+
+    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
+        self.aggregation = aggregation
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
+        caps = {peer: 1.0 for peer in group_info.peer_ids}
+        await run_robust_allreduce_(self, self.aggregation, tensors, group_info, weight_caps=caps, **kwargs)
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> Any:
+        """Look for a group now, to average at `scheduled_time` once `step(control=...)` triggers it (as
+        GradientAverager.schedule_step)."""
+        return super().step(scheduled_time=scheduled_time, wait=False, require_trigger=True, **kwargs)
+
+    def step(self, control: Any = None, wait: bool = True, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Trigger a scheduled round (`control`), or run one now (DecentralizedAverager.step)."""
+        if control is None:
+            return super().step(wait=wait, timeout=timeout, **kwargs)
+        control.allow_allreduce()
+        return control.result(timeout) if wait else control
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
+
+
 class PartialRoundRunner(TrafficCountingRunner):
     """The robust runner that records which reducers failed this peer (`local_fallback`, by peer index) and counts
     the bytes it exchanges (trahiv.engine.traffic)."""
@@ -544,6 +577,14 @@ class ReportingStateAverager(ReportingMixin, RobustTrainingStateAverager):
             else:
                 delay_averaging = True
         return super().step(*args, delay_optimizer_step=delay_optimizer_step, delay_averaging=delay_averaging, **kwargs)
+
+
+class AuxiliaryStateAverager(ReportingMixin, RobustAuxiliaryStateAverager):
+    """RobustAuxiliaryStateAverager with deadlines and round reports (the trainers' ReportingStateAverager's runner)."""
+
+    def __init__(self, *args: Any, deadlines: Deadlines | None = None, aggregation: Aggregation = MEAN, **kwargs: Any):
+        self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
+        super().__init__(*args, aggregation=aggregation, **kwargs)
 
 
 class _RobustPowerSGD(PowerSGDGradientAverager):

@@ -31,6 +31,7 @@ from trahiv.averaging import Aggregation, Deadlines
 from trahiv.config import OptimizerConfig
 from trahiv.engine import fixes
 from trahiv.engine.averagers import (
+    AuxiliaryStateAverager,
     ReportingGradientAverager,
     ReportingMixin,
     ReportingStateAverager,
@@ -615,6 +616,17 @@ def grad_averager_factory(
     if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
         factory = partial(factory, deadlines=Deadlines())
     return factory
+
+
+def aux_state_averager_factory(opt: OptimizerConfig, gate: AuthGate | None) -> Callable[..., AuxiliaryStateAverager]:
+    """An auxiliary peer's side of the trainers' parameter rounds (trahiv.auxiliary.helper): their aggregation, round
+    reports under payload-based deadlines, and (moderated swarms) only token holders served."""
+    return partial(
+        gated(AuxiliaryStateAverager, gate),
+        request_timeout=request_timeout(opt),
+        aggregation=Aggregation(**opt.aggregation.model_dump()),
+        deadlines=Deadlines(),
+    )
 
 
 def stop_tracker_quietly(tracker: Any, timeout: float) -> None:

@@ -6,9 +6,10 @@ averages) and skipping parameter rounds that cannot form. They wrap hivemind 1.1
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
-from trahiv.connectivity import PeerView, SilenceWatch, unreachable_peers
+from trahiv.connectivity import PeerView, SilenceWatch, parameter_helpers, unreachable_peers
 
 logger = logging.getLogger("trahiv.connectivity")
 
@@ -58,19 +59,34 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     return watch
 
 
+HELPER_LOOKUP_PERIOD = 5.0  # seconds between two looks for a parameter helper's announcement
+
+
 def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
-    """Parameter averaging needs a group leader that accepts connections among the trainers (the auxiliary peer
-    averages gradients only). With every trainer in client mode (volunteers behind NAT around `trahiv aux
-    --average`), hivemind 1.1.12 still tried every `average_state_every` steps: 30 s lost each time and an ERROR
-    with a traceback (`Averaging step failed: could not find a group`). Such rounds are skipped, said once (INFO)."""
+    """Parameter averaging needs a group leader that accepts connections: a trainer not in client mode, or an
+    auxiliary peer that announced itself as a parameter helper (`trahiv aux --average`, trahiv.connectivity). With
+    every trainer in client mode and no helper, hivemind 1.1.12 still tried every `average_state_every` steps: 30 s
+    lost each time and an ERROR with a traceback (`Averaging step failed: could not find a group`). Such rounds are
+    skipped, said once (INFO)."""
     if optimizer.auxiliary:
         return
     step, schedule = optimizer.state_averager.step, optimizer._maybe_schedule_state_averaging
     said = {"skipped": False}
+    helper = {"present": False, "next_look": 0.0}
+
+    def helper_present() -> bool:
+        if time.monotonic() >= helper["next_look"]:
+            helper["next_look"] = time.monotonic() + HELPER_LOOKUP_PERIOD
+            try:
+                helper["present"] = bool(parameter_helpers(optimizer.dht, optimizer.run_id))
+            except Exception as e:  # a DHT hiccup: keep the last answer
+                logger.debug(f"Looking for a parameter helper failed: {e!r}")
+        return bool(helper["present"])
 
     def cannot_form() -> bool:
         records = optimizer.tracker.active_peers.values()
-        return bool(records) and optimizer.client_mode and all(record.client_mode for record in records)
+        all_clients = bool(records) and optimizer.client_mode and all(record.client_mode for record in records)
+        return all_clients and not helper_present()
 
     def state_step(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("averaging_round") and cannot_form():
@@ -81,8 +97,9 @@ def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
             if not said["skipped"]:
                 said["skipped"] = True
                 logger.info(
-                    "Skipping parameter averaging: every trainer is in client mode, so no group can form (the "
-                    "auxiliary peer averages gradients only); trainers stay in step through complete gradient rounds"
+                    "Skipping parameter averaging: every trainer is in client mode and no auxiliary peer leads "
+                    "parameter rounds (`trahiv aux --average` does), so no group can form; trainers stay in step "
+                    "through complete gradient rounds"
                 )
         return step(*args, **kwargs)
 
