@@ -348,6 +348,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.syncs["alone"] += 1
             return "alone"
         self.averager.set_group_bits(group_bits(self.outer_step))
+        # a group that holds every peer at this outer step or one behind (about to catch up: a joiner) assembles at
+        # once, not when the declared matchmaking time runs out; one of them missing costs that time, as before
+        near = [r.peer for r in self.peers.values() if self.outer_step - 1 <= r.outer_step <= self.outer_step]
+        self.averager.expect_peers(PeerID.from_base58(peer).to_bytes() for peer in (self.swarm.peer_id, *near))
         opt = self.config.opt
         # the peers that are ready look for a group within a poll period of each other: a few matchmaking windows
         # bound the search (a peer killed at its sync point costs that); the all-reduce has its own deadlines

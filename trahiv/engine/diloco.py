@@ -14,7 +14,12 @@ from hivemind.utils.mpfuture import MPFuture
 
 from trahiv.averaging import Aggregation, Deadlines
 from trahiv.averaging.robust import state_rejection_reason
-from trahiv.engine.averagers import CheckedStateDownload, ReportingMixin, RobustGradientAverager
+from trahiv.engine.averagers import (
+    CheckedStateDownload,
+    EpochKeyedMatchmaking,
+    ReportingMixin,
+    RobustGradientAverager,
+)
 from trahiv.engine.exact import ExactAverager, ExactRoundRunner
 
 logger = logging.getLogger("trahiv.diloco")
@@ -22,11 +27,12 @@ logger = logging.getLogger("trahiv.diloco")
 __all__ = ["DiLoCoAverager"]
 
 
-class DiLoCoAverager(ReportingMixin, ExactAverager, CheckedStateDownload):
+class DiLoCoAverager(ReportingMixin, ExactAverager, EpochKeyedMatchmaking, CheckedStateDownload):
     """Averages the pseudo-gradient buffers with trahiv's robust all-reduce (weights capped at the samples each peer
     reported in its progress record, partial rounds reported), every peer ending with the same bits
     (trahiv.engine.exact), and serves the outer state for download: metadata {"epoch": outer step}, tensors =
-    outer parameters + outer momentum (fp32)."""
+    outer parameters + outer momentum (fp32). A sync's group assembles as soon as the peers ready for it joined
+    (`expect_peers`, EpochKeyedMatchmaking; its group bits are set by the optimizer, per outer step)."""
 
     runner_cls = ExactRoundRunner
 
