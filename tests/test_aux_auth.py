@@ -98,6 +98,10 @@ def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path
             store = MetricsStore(default_store_url(out))
             try:
                 steps = wait_for(lambda: [row["step"] for row in store.steps()], 30, "the trainers' steps in the store")
+                # each trainer's first metrics record reaches the store at the collector's next read (it once held
+                # alice's while bob's was on its way): wait for both, then compare
+                both = lambda: {row["name"] for row in store.contributors()} >= {"alice", "bob"}  # noqa: E731
+                wait_for(lambda: alive() and both(), 30, "both trainers in the store")
                 names = {row["name"] for row in store.contributors()}
             finally:
                 store.close()
