@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from trahiv.protocol import Contribution, fills_shortfall, missed_round, ready_peers, share_done, share_of_target
+from trahiv.protocol import (
+    Contribution,
+    expected_in_round,
+    fills_shortfall,
+    missed_round,
+    ready_peers,
+    share_done,
+    share_of_target,
+)
 
 
 @pytest.mark.parametrize(
@@ -51,3 +59,9 @@ def test_a_shortfall_is_filled_once_by_the_peers_furthest_below_their_share():
     assert [fills_shortfall(p.peer, peers, 24, 2) for p in peers] == [True, True, True]
     assert [fills_shortfall(p.peer, peers, 24, 4) for p in peers] == [True, True, False]
     assert not any(fills_shortfall(p.peer, peers, 18, 2) for p in peers)  # the target is reached: nobody
+
+
+def test_expected_in_round_is_this_peer_and_the_trainers_at_the_step_or_one_before():
+    records = [(b"behind", 3), (b"finishing", 4), (b"at", 5), (b"ahead", 6), (b"long-gone", 1)]
+    assert expected_in_round(b"me", records, 5) == [b"me", b"finishing", b"at"]
+    assert expected_in_round(b"me", [], 0) == [b"me"]  # alone: fewer than two expects nobody (expect_peers)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 __all__ = [
     "Contribution",
+    "expected_in_round",
     "fills_shortfall",
     "missed_round",
     "peer_tiebreak",
@@ -102,3 +103,9 @@ def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: i
         if contribution.peer == own:
             return True
     return False
+
+
+def expected_in_round(own: bytes, records: Iterable[tuple[bytes, int]], epoch: int) -> list[bytes]:
+    """The peers expected in the round of step `epoch` (a group holding them all assembles at once): this one, and
+    every trainer whose progress record (peer ID, step) is at that step or one before (still finishing the last)."""
+    return [own, *(peer for peer, step in records if epoch - 1 <= step <= epoch)]

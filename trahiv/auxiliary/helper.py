@@ -331,9 +331,12 @@ class AveragingHelper:
         return self._control
 
     def _trainers_at(self, epoch: int) -> list[bytes]:
-        """This peer and the trainers at step `epoch` or one before: a group it leads assembles once they all joined."""
-        own = self._dht.peer_id.to_bytes()
-        return [own, *(r.peer_id for r in self.tracker.active_peers.values() if epoch - 1 <= r.epoch <= epoch)]
+        """The peers expected in the trainers' round of step `epoch`: a group this peer leads assembles once they all
+        joined (trahiv.protocol.expected_in_round, as the trainers' own)."""
+        from trahiv.protocol import expected_in_round
+
+        records = [(record.peer_id, record.epoch) for record in self.tracker.active_peers.values()]
+        return expected_in_round(self._dht.peer_id.to_bytes(), records, epoch)
 
     def _announce(self) -> None:
         """Say in the DHT that this peer leads parameter rounds (trainers in client mode skip them otherwise)."""

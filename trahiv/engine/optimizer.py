@@ -43,6 +43,7 @@ from trahiv.engine.gate import gated
 from trahiv.engine.state import download_state, load_state
 from trahiv.protocol import (
     Contribution,
+    expected_in_round,
     fills_shortfall,
     missed_round,
     peer_tiebreak,
@@ -389,14 +390,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.grad_averager.expect_peers(self._peers_for_round(self.local_epoch))
 
     def _peers_for_round(self, epoch: int) -> list[bytes]:
-        """The peers expected in the round of step `epoch`: this one, and every trainer whose progress record is at
-        that step or one before it (still finishing the previous step). A group that holds them all assembles at
-        once instead of waiting for matchmaking_time (EpochKeyedMatchmaking.expect_peers)."""
-        peers = [self.dht.peer_id.to_bytes()]
-        for record in self.tracker.active_peers.values():
-            if epoch - 1 <= record.epoch <= epoch:
-                peers.append(record.peer_id)
-        return peers
+        """The peers expected in the round of step `epoch` (`expected_in_round`): a group that holds them all
+        assembles at once instead of waiting for matchmaking_time (EpochKeyedMatchmaking.expect_peers)."""
+        records = [(record.peer_id, record.epoch) for record in self.tracker.active_peers.values()]
+        return expected_in_round(self.dht.peer_id.to_bytes(), records, epoch)
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
