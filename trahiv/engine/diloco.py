@@ -31,8 +31,9 @@ class DiLoCoAverager(ReportingMixin, ExactAverager, EpochKeyedMatchmaking, Check
     """Averages the pseudo-gradient buffers with trahiv's robust all-reduce (weights capped at the samples each peer
     reported in its progress record, partial rounds reported), every peer ending with the same bits
     (trahiv.engine.exact), and serves the outer state for download: metadata {"epoch": outer step}, tensors =
-    outer parameters + outer momentum (fp32). A sync's group assembles as soon as the peers ready for it joined
-    (`expect_peers`, EpochKeyedMatchmaking; its group bits are set by the optimizer, per outer step)."""
+    outer parameters + outer momentum (fp32). A sync's group assembles as soon as the peers the optimizer expects
+    joined (`expect_peers`, EpochKeyedMatchmaking: those at the outer step or one behind; the optimizer sets the
+    group bits per outer step)."""
 
     runner_cls = ExactRoundRunner
 
