@@ -326,17 +326,16 @@ class AveragingHelper:
         assert self.config is not None
         timeout = self.config.opt.averaging_timeout
         self.averager.round_epoch = self.tracker.local_progress.epoch  # the trainers' rounds are keyed by their step
-        self.averager.expect_peers(self._trainers_at(self.tracker.local_progress.epoch))  # (when it leads)
+        self.averager.expect_peers(self._expected_trainers())  # (when it leads)
         self._control = self.averager.schedule_step(scheduled_time=get_dht_time() + wait, timeout=timeout)
         return self._control
 
-    def _trainers_at(self, epoch: int) -> list[bytes]:
-        """The peers expected in the trainers' round of step `epoch`: a group this peer leads assembles once they all
-        joined (trahiv.protocol.expected_in_round, as the trainers' own)."""
-        from trahiv.protocol import expected_in_round
-
-        records = [(record.peer_id, record.epoch) for record in self.tracker.active_peers.values()]
-        return expected_in_round(self._dht.peer_id.to_bytes(), records, epoch)
+    def _expected_trainers(self) -> list[bytes]:
+        """This peer and every trainer it sees: a group it leads assembles once they all joined. Not only those at the
+        step, as a trainer's own rounds expect (trahiv.protocol.expected_in_round): this peer reads the trainers'
+        progress less often than they do, and a record one or two steps old once left a trainer out of a group that
+        assembled without it (it then stepped alone). A trainer that is gone costs the declared time, as before."""
+        return [self._dht.peer_id.to_bytes(), *(record.peer_id for record in self.tracker.active_peers.values())]
 
     def _announce(self) -> None:
         """Say in the DHT that this peer leads parameter rounds (trainers in client mode skip them otherwise)."""
@@ -366,7 +365,7 @@ class AveragingHelper:
         assert self.config is not None
         opt = self.config.opt
         self.state_averager.round_epoch = epoch  # keyed like the trainers' (SwarmOptimizer._key_rounds_by_step)
-        self.state_averager.expect_peers(self._trainers_at(epoch))
+        self.state_averager.expect_peers(self._expected_trainers())
         control = self.state_averager.schedule_step(
             scheduled_time=get_dht_time() + opt.matchmaking_time, timeout=opt.averaging_timeout
         )
