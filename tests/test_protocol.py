@@ -61,7 +61,7 @@ def test_a_shortfall_is_filled_once_by_the_peers_furthest_below_their_share():
     assert not any(fills_shortfall(p.peer, peers, 18, 2) for p in peers)  # the target is reached: nobody
 
 
-def test_expected_in_round_is_this_peer_and_the_trainers_at_the_step_or_one_before():
-    records = [(b"behind", 3), (b"finishing", 4), (b"at", 5), (b"ahead", 6), (b"long-gone", 1)]
-    assert expected_in_round(b"me", records, 5) == [b"me", b"finishing", b"at"]
+def test_expected_in_round_is_this_peer_and_the_trainers_at_the_step_or_behind_it():
+    records = [(b"joining", 0), (b"finishing", 4), (b"at", 5), (b"ahead", 6), (b"behind", 2)]
+    assert expected_in_round(b"me", records, 5) == [b"me", b"joining", b"finishing", b"at", b"behind"]
     assert expected_in_round(b"me", [], 0) == [b"me"]  # alone: fewer than two expects nobody (expect_peers)

@@ -107,5 +107,8 @@ def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: i
 
 def expected_in_round(own: bytes, records: Iterable[tuple[bytes, int]], epoch: int) -> list[bytes]:
     """The peers expected in the round of step `epoch` (a group holding them all assembles at once): this one, and
-    every trainer whose progress record (peer ID, step) is at that step or one before (still finishing the last)."""
-    return [own, *(peer for peer, step in records if epoch - 1 <= step <= epoch)]
+    every trainer whose fresh progress record (peer ID, step) is at that step or behind it: one behind is finishing
+    the last step; further behind is a joiner still downloading the state, whose first round may be this one (a group
+    that assembled before it looked left it to step alone, out of step: tests/test_faults.py's late joiner). A peer
+    that does not come costs the group the time it declared, as every group did before early assembly."""
+    return [own, *(peer for peer, step in records if step <= epoch)]

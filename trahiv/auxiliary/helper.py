@@ -332,9 +332,9 @@ class AveragingHelper:
 
     def _expected_trainers(self) -> list[bytes]:
         """This peer and every trainer it sees: a group it leads assembles once they all joined. Not only those at the
-        step, as a trainer's own rounds expect (trahiv.protocol.expected_in_round): this peer reads the trainers'
-        progress less often than they do, and a record one or two steps old once left a trainer out of a group that
-        assembled without it (it then stepped alone). A trainer that is gone costs the declared time, as before."""
+        step or behind it, as a trainer's own rounds expect (trahiv.protocol.expected_in_round): this peer reads the
+        trainers' progress less often than they do, and a record one or two steps old once left a trainer out of a
+        group that assembled without it (it then stepped alone). A trainer that is gone costs the declared time."""
         return [self._dht.peer_id.to_bytes(), *(record.peer_id for record in self.tracker.active_peers.values())]
 
     def _announce(self) -> None:
