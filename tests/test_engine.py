@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -144,5 +145,39 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
         optimizer.load_state_from_peers()
         assert optimizer.local_epoch == 1
         assert optimizer.opt.param_groups[0]["lr"] == pytest.approx(schedule(1))  # hivemind's: schedule(0)
+    finally:
+        swarm.shutdown()
+
+
+def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive():
+    """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
+    longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then
+    never counted it as ready (16 peers joining for 2.5 minutes, benchmarks/swarm_cost.py). Here the lifetime is 1.5 s
+    and the wait 6 s; the record must be there all along."""
+    import threading
+
+    from trahiv.config import HivemindConfig
+    from trahiv.swarm import Swarm
+
+    config = HivemindConfig.model_validate({
+        "dht": {"nat_port_map": False},
+        "opt": {"run_id": "keep_alive", "target_batch_size": 2, "min_peers": 2, "min_peers_timeout": 6.0,
+                "tracker_opts": {"metadata_expiration": 1.5}},
+    })  # fmt: skip
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 1)
+        swarm.mark_ready()
+        waiting = threading.Thread(target=swarm.wait_for_peers, daemon=True)
+        waiting.start()
+        seen, deadline = [], time.monotonic() + 4.5
+        while time.monotonic() < deadline:  # every 0.5 s for 4.5 s: three lifetimes of the record
+            found = swarm.dht.get(optimizer.tracker.training_progress_key, latest=True)
+            seen.append(found is not None and len(found.value) == 1)
+            time.sleep(0.5)
+        waiting.join(timeout=10)
+        assert not waiting.is_alive()
+        assert all(seen), seen
     finally:
         swarm.shutdown()

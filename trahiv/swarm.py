@@ -252,8 +252,17 @@ class Swarm:
     def wait_for_peers(self) -> int:
         """Block until `opt.min_peers` peers are ready to train (or `min_peers_timeout`); return how many are."""
         wanted, deadline = self.config.opt.min_peers, time.monotonic() + self.config.opt.min_peers_timeout
+        announced = time.monotonic()
         while (count := self._ready_peers()) < wanted and time.monotonic() < deadline:
             time.sleep(0.2)
+            tracker = self.optimizer.tracker if self.optimizer is not None else None
+            if tracker is not None and time.monotonic() - announced > tracker.metadata_expiration / 3:
+                # hivemind renews a progress record only once its peer has samples: a peer waiting here longer than
+                # the record's lifetime (60 s) vanished from the others' view, which then never counted it as ready
+                # (16 peers on one machine took 2.5 minutes to join: benchmarks/swarm_cost.py)
+                tracker.announce()
+                announced = time.monotonic()
+            self.publish_model()  # (renewed every MODEL_RECORD_TTL / 4)
         if count < wanted:
             logger.warning(f"Only {count} of min_peers={wanted} peers were ready in time; training anyway")
         return count
