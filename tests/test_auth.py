@@ -296,3 +296,45 @@ def test_server_rejects_bad_input_and_keeps_allowlist_and_bans_across_restarts(t
         PeerAuth.start(server.url, bob, RUN_ID).close()
     finally:
         server.stop()
+
+
+def test_every_write_is_committed_before_its_answer_starts(tmp_path):
+    """A client that asks again as soon as it has an answer (ban the user it has just added) must find what the answer
+    said was written: the request's transaction commits before the answer starts, not after it is sent."""
+    import asyncio
+
+    from sqlalchemy import select
+
+    from trahiv.auth.server import AuthServerState, Experiment, User, create_app, open_database
+
+    state = AuthServerState(open_database(f"sqlite:///{tmp_path / 'auth.db'}"))
+    admin = state.ensure_admin()
+    app = create_app(state)
+
+    def committed() -> tuple[bool, bool, bool]:  # what another connection sees right now
+        with state.sessions() as db:
+            user = db.scalar(select(User).where(User.run_id == "r", User.username == "u"))
+            return db.get(Experiment, "r") is not None, user is not None, bool(user is not None and user.banned)
+
+    async def call(path: str, body: dict[str, Any]) -> tuple[int, tuple[bool, bool, bool]]:
+        data, seen = json.dumps(body).encode(), []
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {admin}".encode())],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        }  # fmt: skip
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                seen.append((message["status"], committed()))
+
+        await app(scope, receive, send)
+        return seen[0]
+
+    assert asyncio.run(call("/api/experiments", {"run_id": "r"})) == (201, (True, False, False))
+    assert asyncio.run(call("/api/experiments/r/users", {"username": "u"})) == (201, (True, True, False))
+    assert asyncio.run(call("/api/experiments/r/users/u/ban", {"reason": "spam"})) == (200, (True, True, True))

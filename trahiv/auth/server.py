@@ -260,7 +260,9 @@ def _db(request: Request) -> Iterator[Session]:
         yield session
 
 
-DB = Annotated[Session, Depends(_db)]
+# scope="function": the session commits when the endpoint returns, before the answer is sent (FastAPI's default runs
+# it after the answer: a client that asked again at once, e.g. to ban the user it had just added, got 404 under load)
+DB = Annotated[Session, Depends(_db, scope="function")]
 AuthHeader = Annotated[str | None, Header()]
 
 
@@ -387,7 +389,7 @@ def create_app(state: AuthServerState) -> FastAPI:
     @app.post("/api/experiments/{run_id}/revert", status_code=201, dependencies=[Moderator])
     def revert(run_id: str, body: RevertRequest, db: DB) -> SignedRevertOrder:
         private_key = keys.load_private_key(experiment(db, run_id).private_key)
-        try:  # committed before the answer (not after it, as the request's session is): peers may poll at once
+        try:  # its own transaction: a racing second order fails on the unique key (409), not the whole request
             with state.sessions.begin() as tx:
                 last = tx.scalar(select(func.max(RevertRow.revert_id)).where(RevertRow.run_id == run_id))
                 order = RevertOrder(run_id=run_id, revert_id=int(last or 0) + 1, issued_at=_now(), **body.model_dump())
