@@ -10,6 +10,13 @@ machine's CPU), after which the step's gradients of P LoRA-shaped parameters (de
 optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up).
 Parameter averaging is synchronous in trahiv (delay_state_averaging is refused, see README), so it is moved out of
 the measured window with --average-state-every (default: never within the run) and measured as its own cost.
+
+DiLoCo mode (`--diloco H`, with `--overlap` to sync in the background): every peer is a DiLoCo worker
+(trahiv.diloco.DiLoCoOptimizer, the Trainer's SGD as inner optimizer) that syncs its pseudo-gradients (fp16, the
+default) every H local steps; utilization is measured from the end of the second outer step on, over --epochs outer
+steps. Run (as root):
+    .venv/bin/python benchmarks/compute_utilization.py --peers 4 --bandwidth 100 --compression fp16 --diloco 20 \
+        --overlap --epochs 5
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ def worker(spec: dict) -> None:
     from trahiv.swarm import Swarm, join_addresses, model_fingerprint
 
     torch.set_num_threads(1)
+    if spec.get("diloco"):
+        return diloco_worker(spec)
     peers, batch = spec["peers"], 1
     config = HivemindConfig.model_validate({
         "dht": {"host_maddrs": [f"/ip4/{spec['host']}/tcp/0"], "initial_peers": spec["initial_peers"],
@@ -73,6 +82,51 @@ def worker(spec: dict) -> None:
     print(json.dumps({"rank": spec["rank"], "marks": marks, "metrics": rounds}), flush=True)
 
 
+def diloco_worker(spec: dict) -> None:
+    import torch
+
+    from trahiv.config import HivemindConfig
+    from trahiv.diloco import DiLoCoOptimizer
+    from trahiv.swarm import Swarm, join_addresses, model_fingerprint
+
+    peers, batch = spec["peers"], 1
+    config = HivemindConfig.model_validate({
+        "dht": {"host_maddrs": [f"/ip4/{spec['host']}/tcp/0"], "initial_peers": spec["initial_peers"],
+                "nat_port_map": False},
+        "opt": {"run_id": "utilization_diloco", "target_batch_size": 1, "matchmaking_time": spec["matchmaking_time"],
+                "min_peers": peers},
+        "diloco": {"inner_steps": spec["diloco"], "overlap": spec["overlap"], "compression": spec["compression"]},
+    })  # fmt: skip
+    swarm = Swarm(config, announce=lambda _: None)
+    print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in lora_shapes(spec["params"])]
+    swarm.check_model(model_fingerprint([(f"p{i}", p) for i, p in enumerate(params)]))
+    optimizer = DiLoCoOptimizer(swarm, [{"params": params}], lambda groups: torch.optim.SGD(groups, lr=1e-3), batch)
+    swarm.mark_ready()
+    swarm.wait_for_peers()
+    optimizer.wait_for_records(peers - 1, timeout=60.0)
+    optimizer.join()
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    marks: list[tuple[int, float, float, float]] = []  # (outer step, time, compute so far, step() so far)
+    compute = in_step = 0.0
+    deadline = time.monotonic() + spec["run_timeout"]
+    while optimizer.outer_step < spec["epochs"] and time.monotonic() < deadline:
+        time.sleep(spec["compute_s"])  # forward + backward on an accelerator
+        compute += spec["compute_s"]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        started = time.perf_counter()
+        outer_step = optimizer.outer_step
+        optimizer.step()
+        in_step += time.perf_counter() - started
+        if optimizer.outer_step != outer_step:
+            marks.append((optimizer.outer_step, time.perf_counter(), compute, in_step))
+    optimizer.finish_pending_sync()
+    metrics = optimizer.metrics()
+    swarm.shutdown()  # (its DiLoCo optimizer too)
+    print(json.dumps({"rank": spec["rank"], "marks": marks, "metrics": metrics}), flush=True)
+
+
 def run(args: argparse.Namespace) -> dict:
     namespaces = Namespaces(args.peers) if args.bandwidth > 0 else None
     procs: list[subprocess.Popen] = []
@@ -86,7 +140,8 @@ def run(args: argparse.Namespace) -> dict:
                     "rank": rank, "peers": args.peers, "params": args.params, "compression": args.compression,
                     "steps_per_epoch": args.steps_per_epoch, "compute_s": args.compute_s, "epochs": args.epochs,
                     "matchmaking_time": args.matchmaking_time, "average_state_every": args.average_state_every,
-                    "run_timeout": args.run_timeout, "initial_peers": initial,
+                    "run_timeout": args.run_timeout, "initial_peers": initial, "diloco": args.diloco,
+                    "overlap": args.overlap,
                     "host": namespaces.ip(rank) if namespaces else "127.0.0.1",
                 }  # fmt: skip
                 cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
@@ -132,6 +187,8 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--average-state-every", type=int, default=1000)
     parser.add_argument("--run-timeout", type=float, default=400.0)
+    parser.add_argument("--diloco", type=int, default=0, help="DiLoCo mode with this many inner steps (H)")
+    parser.add_argument("--overlap", action="store_true", help="DiLoCo: sync in the background (`overlap`)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -3,7 +3,8 @@
 An unchanged Trainer script with `hivemind_config["diloco"]`. It writes into SPEC["out"]:
 - ready.json     once training begins: peer id, the step it starts from (a joiner: the swarm's)
 - records.jsonl  one line per outer step reached ("sync": outer step, global step, trainable values' checksum, the
-                 values themselves for the toy model, and a sha256 of every trainable tensor), and the Trainer's logs
+                 values themselves for the toy model, and a sha256 of every trainable tensor and of every outer
+                 parameter), and the Trainer's logs
 - done.json      at the end: global step, outer step, metrics (rounds, bytes), eval loss with SPEC["eval_blocks"]
 - final.pt       with SPEC["save_final"]: the final named parameters
 With SPEC["byzantine"] = {"attack": ..., "factor": x} the peer corrupts its pseudo-gradients before every all-reduce
@@ -94,8 +95,17 @@ class SyncRecorder(TrainerCallback):
             },  # fmt: skip
             "t": time.time(),
         }
+        # the outer parameters (the model's after a sync; with `overlap` the model keeps the inner steps made while
+        # the sync ran in the background on top of them)
+        outer_of = {id(p): t for p, t in zip(diloco.params, diloco.outer_params, strict=True)}  # (optimizer order)
+        outer = {n: outer_of[id(p)] for n, p in self.trainer.model.named_parameters() if p.requires_grad}
+        line["outer_sha256"] = {
+            n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in outer.items()
+        }  # fmt: skip
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
+            line["outer_values"] = outer[named[0][0]].tolist()
         self.records.write(json.dumps(line) + "\n")
 
 

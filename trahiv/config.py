@@ -288,6 +288,11 @@ class DiLoCoConfig(_Section):
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step (needs outer_momentum > 0)")
     compression: CompressionName = Field("fp16", description=f"compression of pseudo-gradients: {COMPRESSIONS}")
     fragments: int = Field(1, ge=1, description="streaming DiLoCo fragments (only 1, the whole model, for now)")
+    overlap: bool = Field(
+        False,
+        description="sync in the background while the next inner steps run; the outer step is applied when the "
+        "average arrives, keeping the inner steps made meanwhile (a sync still pending H steps later is waited for)",
+    )
     max_sync_wait: float = Field(
         600.0, gt=0, description="seconds a sync waits at most for slower peers (beyond that it goes on without them)"
     )

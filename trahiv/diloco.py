@@ -113,6 +113,7 @@ class PeerProgress:
     time: float
     started: float
     revert_id: int = 0  # the newest revert order this peer applied (trahiv.revert)
+    syncing: bool = False  # [overlap] its sync of `outer_step` runs in the background while it trains on
 
     @classmethod
     def parse(cls, value: Any) -> PeerProgress | None:
@@ -128,16 +129,20 @@ class PeerProgress:
             return None
         if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in floats):
             return None
-        revert_id = value.get("revert_id", 0)
-        if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int:
+        revert_id, syncing = value.get("revert_id", 0), value.get("syncing", False)
+        if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int or type(syncing) is not bool:
             return None
         outer_step, inner_done, inner_steps, samples = ints
         steps_per_second, at, started = (float(x) for x in floats)
-        return cls(peer, outer_step, inner_done, inner_steps, samples, steps_per_second, at, started, revert_id)
+        return cls(
+            peer, outer_step, inner_done, inner_steps, samples, steps_per_second, at, started, revert_id, syncing
+        )
 
-    def eta(self) -> float:
-        """DHT time by which this peer should reach its sync point, from its reported speed (x ETA_SLACK)."""
-        remaining = max(self.inner_steps - self.inner_done, 0)
+    def eta(self, outer_step: int | None = None) -> float:
+        """DHT time by which this peer should reach the sync point of `outer_step` (default: of its own outer step),
+        from its reported speed (x ETA_SLACK)."""
+        rounds = 0 if outer_step is None else max(outer_step - self.outer_step, 0)
+        remaining = max((rounds + 1) * self.inner_steps - self.inner_done, 0)
         if remaining == 0:
             return self.time
         if self.steps_per_second <= 0:
@@ -152,11 +157,13 @@ def since_first_seen(record: PeerProgress, first_seen: dict[tuple[str, int, int]
     return dataclasses.replace(record, time=first_seen.setdefault(key, record.time))
 
 
-def sync_deadline(pending: Sequence[PeerProgress], started: float, floor: float, max_wait: float) -> float:
-    """Until when (DHT time) a peer that reached its sync point at `started` waits for the `pending` peers (those at
-    its outer step that have not reached theirs): the latest of their ETAs + floor, at least `floor` after `started`,
-    at most `max_wait` after it."""
-    latest = max((record.eta() + floor for record in pending), default=started)
+def sync_deadline(
+    pending: Sequence[PeerProgress], started: float, floor: float, max_wait: float, outer_step: int | None = None
+) -> float:
+    """Until when (DHT time) a peer that reached its sync point (of `outer_step`) at `started` waits for the `pending`
+    peers (those that have not reached it): the latest of their ETAs + floor, at least `floor` after `started`, at
+    most `max_wait` after it."""
+    latest = max((record.eta(outer_step) + floor for record in pending), default=started)
     return min(started + max_wait, max(started + floor, latest))
 
 
@@ -164,6 +171,19 @@ def sync_deadline(pending: Sequence[PeerProgress], started: float, floor: float,
 
 
 # --- the optimizer the Trainer uses ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingSync:
+    """[overlap] A sync running in the background: its outer step, the weight (samples) of this peer's pseudo-gradient,
+    the local parameters at the sync point; `outcome` ('averaged', 'alone', 'failed', 'behind') once `done`."""
+
+    outer_step: int
+    weight: int
+    at_sync: list[torch.Tensor]
+    thread: threading.Thread | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    outcome: str | None = None
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -194,6 +214,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer_step = self.inner_done = self.samples = self.samples_total = 0
         self.resumed = False  # set by load_state_dict: this peer continues a checkpoint of its own (see join)
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
+        self.sync_wait_s = 0.0  # seconds the inner loop stood still for syncs (waiting for peers, averaging)
+        self.overlapped_steps = 0  # [overlap] inner steps computed while a sync ran in the background
+        self._pending: PendingSync | None = None  # [overlap] the sync running in the background
         self.steps_per_second = 0.0
         self.started = get_dht_time()
         self.peers: dict[str, PeerProgress] = {}  # other peers' latest records
@@ -260,8 +283,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.inner_done += 1
         self.samples += self.batch_size_per_step
         self.samples_total += self.batch_size_per_step
-        if self.inner_done >= self.cfg.inner_steps:
-            self.sync()
+        synced = False
+        if self._pending is not None:
+            self.overlapped_steps += 1
+            # the average arrived: apply it now; still running at the next sync point (H steps later): wait for it
+            if self._pending.done.is_set() or self.inner_done >= 2 * self.cfg.inner_steps:
+                self.finish_pending_sync()
+                synced = True
+        if self._pending is None and self.inner_done >= self.cfg.inner_steps:
+            self.start_sync() if self.cfg.overlap else self.sync()
+            synced = True
+        if synced:
             now = time.monotonic()
         self._last_step_at = now
         return loss
@@ -273,31 +305,103 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def sync(self) -> None:
         """Average pseudo-gradients with the peers at this outer step, take the outer step, copy it to the model."""
+        began = time.monotonic()
         self._publish(wait=True)  # this peer is at its sync point: the others stop waiting for it
         behind = self._wait_for_peers()
         if not behind:
             self._fill_pseudo_gradients()
-            outcome = self._average()
+            outcome = self._average(weight=self.samples)
             behind = outcome == "failed" and self._swarm_is_ahead()
-        if behind:
-            logger.warning(
-                f"The swarm moved past outer step {self.outer_step} without this peer: dropping its pseudo-gradient "
-                f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
-            )
-            self.syncs["missed"] += 1
-            if self._adopt_swarm_state():
-                self._publish()
-                return
-            logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
-            self._fill_pseudo_gradients()
-        self._apply_outer_step()
+        if not (behind and self._adopt_after_a_missed_sync()):
+            if behind:
+                self._fill_pseudo_gradients()
+            self._apply_outer_step()
         self._publish()
+        self.sync_wait_s += time.monotonic() - began
 
-    def _fill_pseudo_gradients(self) -> None:
-        """pseudo-gradient = outer parameters - local parameters (fp32, CPU), into the averaged buffers."""
+    def _adopt_after_a_missed_sync(self) -> bool:
+        """The swarm took this outer step without this peer: drop its pseudo-gradient and download the swarm's outer
+        state (True), or, if no peer serves it, say so (False: the peer takes the outer step with its own)."""
+        logger.warning(
+            f"The swarm moved past outer step {self.outer_step} without this peer: dropping its pseudo-gradient "
+            f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
+        )
+        self.syncs["missed"] += 1
+        if self._adopt_swarm_state():
+            return True
+        logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
+        return False
+
+    # --- [overlap] the sync in the background -----------------------------------------------------------------------
+    # At the sync point the pseudo-gradient (outer - local, computed now) goes to the averager, and the next inner
+    # steps run on the local parameters while a thread waits for the peers and averages. When the average arrives the
+    # outer step is taken and the model moves onto it keeping the inner progress made meanwhile:
+    # local <- new outer + (local - local at the sync point). The next pseudo-gradient (new outer - local at the next
+    # sync point) then covers exactly H inner steps, as without overlap (with constant gradients the outer steps are
+    # the same). Each peer's record stays at the outer step being synced (its inner steps counting on past H) until
+    # the outer step is applied, so that peers still training wait for it and nobody takes it for a peer ahead.
+
+    def start_sync(self) -> None:
+        """At the sync point: fill the pseudo-gradients, start averaging them in the background, return at once."""
+        self._fill_pseudo_gradients()
+        at_sync = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        pending = PendingSync(outer_step=self.outer_step, weight=self.samples, at_sync=at_sync)
+        self.samples = 0  # the next round's samples count from here
+        pending.thread = threading.Thread(target=self._sync_in_background, args=(pending,), name="trahiv-diloco-sync",
+                                          daemon=True)  # fmt: skip
+        self._pending = pending
+        self._publish(wait=True)  # at its sync point, syncing: the others stop waiting for it, or wait if they are on
+        pending.thread.start()
+
+    def _sync_in_background(self, pending: PendingSync) -> None:
+        try:
+            if self._wait_for_peers():
+                pending.outcome = "behind"
+            else:
+                pending.outcome = self._average(weight=pending.weight)
+                if pending.outcome == "failed" and self._swarm_is_ahead():
+                    pending.outcome = "behind"
+        except Exception as e:  # (the DHT or the averager shut down under it)
+            logger.warning(f"Outer step {pending.outer_step}: the sync failed ({e!r})")
+            pending.outcome = "failed"
+        finally:
+            pending.done.set()
+
+    def finish_pending_sync(self) -> None:
+        """[overlap] Wait for the background sync (bounded by its own deadlines) and apply its outer step."""
+        pending = self._pending
+        if pending is None:
+            return
+        began = time.monotonic()
+        opt = self.config.opt
+        bound = self.cfg.max_sync_wait + opt.averaging_timeout + (opt.allreduce_timeout or opt.averaging_timeout) + 60
+        if not pending.done.wait(bound):
+            raise RuntimeError(f"DiLoCo: the sync of outer step {pending.outer_step} did not end within {bound:.0f} s")
+        self._pending = None
+        if pending.outcome == "behind" and self._adopt_after_a_missed_sync():
+            # the inner steps made since the sync point are dropped with the pseudo-gradient (their outer state is
+            # not the swarm's); the peer carries on from the swarm's inner step
+            pass
+        else:
+            if pending.outcome == "behind":  # no peer served the outer state: this peer's own pseudo-gradient
+                self._fill_pseudo_gradients(at=pending.at_sync)
+            self._apply_outer_step(at_sync=pending.at_sync)
+        self._publish()
+        self.sync_wait_s += time.monotonic() - began
+
+    def drop_pending_sync(self) -> None:
+        """[overlap] Forget the background sync (a revert replaces the outer state): wait for its thread, ignore it."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.thread is not None:
+            pending.thread.join(timeout=self.cfg.max_sync_wait + self.config.opt.averaging_timeout + 60)
+
+    def _fill_pseudo_gradients(self, at: Sequence[torch.Tensor] | None = None) -> None:
+        """pseudo-gradient = outer parameters - local parameters (fp32, CPU; or those of `at`), into the averaged
+        buffers."""
+        local = at if at is not None else [p.detach().to("cpu", torch.float32) for p in self.params]
         with torch.no_grad(), self.averager.get_tensors() as grads:
-            for grad, outer, param in zip(grads, self.outer_params, self.params, strict=True):
-                grad.copy_(outer).sub_(param.detach().to("cpu", torch.float32))
+            for grad, outer, param in zip(grads, self.outer_params, local, strict=True):
+                grad.copy_(outer).sub_(param)
 
     def _others(self) -> dict[str, PeerProgress]:
         """The other peers' fresh progress records (also kept in `self.peers`)."""
@@ -328,20 +432,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             others = self._others()
             if any(record.outer_step > self.outer_step for record in others.values()):
                 return True
-            pending = [
-                since_first_seen(r, first_seen)
-                for r in others.values()
-                if r.outer_step == self.outer_step and r.inner_done < r.inner_steps
-            ]
+            pending = [since_first_seen(r, first_seen) for r in others.values() if self._coming(r)]
             if not pending:
                 return False
-            if get_dht_time() >= sync_deadline(pending, started, floor, self.cfg.max_sync_wait):
+            if get_dht_time() >= sync_deadline(pending, started, floor, self.cfg.max_sync_wait, self.outer_step):
                 late = ", ".join(f"{r.peer} ({r.inner_done}/{r.inner_steps})" for r in pending)
                 logger.warning(f"Outer step {self.outer_step}: going on without the peers still training: {late}")
                 return False
             time.sleep(POLL_PERIOD)
 
-    def _average(self) -> str:
+    def _coming(self, record: PeerProgress) -> bool:
+        """Whether a peer is on its way to this outer step's sync point: at this outer step and still training, or
+        [overlap] at the one before, training on while its sync of it runs (`syncing`): its record stays there until
+        the average arrives, and its outer step follows at its next inner step. (This peer may get here first: a sync
+        still running at its own next sync point is finished there and the next one starts at once.) A peer at the
+        one before in a blocking sync is in one that this peer's group finished without it: it will download the
+        outer state, as before."""
+        if record.outer_step == self.outer_step:
+            return record.inner_done < record.inner_steps
+        return record.outer_step == self.outer_step - 1 and record.syncing
+
+    def _average(self, weight: int) -> str:
         """All-reduce the pseudo-gradients with the peers at this outer step: 'averaged', 'alone' or 'failed'."""
         ready = [r for r in self.peers.values() if r.outer_step == self.outer_step and r.inner_done >= r.inner_steps]
         if not ready:
@@ -357,7 +468,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # bound the search (a peer killed at its sync point costs that); the all-reduce has its own deadlines
         search = min(opt.averaging_timeout, 3 * opt.matchmaking_time)
         try:
-            self.averager.step(weight=float(max(self.samples, 1)), timeout=search)
+            self.averager.step(weight=float(max(weight, 1)), timeout=search)
         except Exception as e:  # the round's report (if it started) says more; values kept local where not averaged
             logger.warning(f"Outer step {self.outer_step}: averaging pseudo-gradients failed ({e!r})")
             self.syncs["failed"] += 1
@@ -367,13 +478,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.syncs["averaged"] += 1
         return "averaged"
 
-    def _apply_outer_step(self) -> None:
+    def _apply_outer_step(self, at_sync: Sequence[torch.Tensor] | None = None) -> None:
+        """Take the outer step with the averaged pseudo-gradients; copy it into the model, or (overlap: `at_sync`, the
+        local parameters at the sync point) move the model onto it keeping the inner steps made since."""
         cfg = self.cfg
         with torch.no_grad(), self._lock, self.averager.get_tensors() as grads:
             outer_sgd_step_(self.outer_params, grads, self.momenta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
             self.outer_step += 1
-            self.inner_done = self.samples = 0
-            self._copy_outer_to_model()
+            if at_sync is None:
+                self.inner_done = self.samples = 0
+                self._copy_outer_to_model()
+            else:
+                self.inner_done -= cfg.inner_steps
+                for param, outer, before in zip(self.params, self.outer_params, at_sync, strict=True):
+                    moved = param.detach().to("cpu", torch.float32) - before
+                    param.copy_(outer + moved)
         self.averager.state_sharing_priority = float(self.outer_step)
 
     def _copy_outer_to_model(self) -> None:
@@ -444,6 +563,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
+        # at once: the peers at that outer step expect this one in their next group only once they see it there (its
+        # record said the outer step it left: a joiner's first group once assembled without it, and it failed its sync)
+        self._publish()
         return True
 
     def _download(self, prefer: str | None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
@@ -466,6 +588,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def revert_to(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
         """[revert] Restart from a checkpoint's outer state (see trahiv.revert.DiLoCoRevertFollower)."""
+        self.drop_pending_sync()
         with torch.no_grad(), self._lock:
             for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
                 target.copy_(source)
@@ -487,12 +610,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "outer_step": self.outer_step,
             "inner_done": self.inner_done,
             "inner_steps": self.cfg.inner_steps,
-            "samples_accumulated": self.samples,
+            # (the weight caps read it: with a sync in flight, the samples of its pseudo-gradient)
+            "samples_accumulated": self._pending.weight if self._pending is not None else self.samples,
             "samples_per_second": self.steps_per_second * self.batch_size_per_step,
             "steps_per_second": self.steps_per_second,
             "time": get_dht_time(),
             "started": self.started,
             "revert_id": self.revert.applied_id if self.revert is not None else 0,
+            "syncing": self._pending is not None,
             **total_traffic([self.averager]),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
@@ -523,11 +648,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "swarm_peers": 1 + len(self.peers),
             "samples_contributed": self.samples_total,
             "diloco_syncs_missed": self.syncs["missed"],
+            "diloco_sync_wait_s": round(self.sync_wait_s, 3),
+            "diloco_overlapped_steps": self.overlapped_steps,
             **rounds,
             **total_traffic([self.averager]),
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self.finish_pending_sync()  # [overlap] (the flow callback finishes it before the model is saved)
         state = self.inner.state_dict()
         with self._lock:
             state["diloco"] = {
@@ -563,6 +691,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def shutdown(self) -> None:
         self._stop.set()
         self._publisher.join(timeout=1.0)
+        if self._pending is not None:  # [overlap] interrupted mid-sync: its outer step is not taken
+            logger.info(f"Leaving with the sync of outer step {self._pending.outer_step} unfinished")
         try:  # a blocking store: the DHT has handled every earlier (background) store before it stops
             self._publish(wait=True)
         except Exception as e:
@@ -608,7 +738,10 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         trainer.local_steps_total += 1
         self._follow(state)
         trainer.swarm.publish_model()
-        return super().on_step_end(args, state, control, **kwargs)
+        control = super().on_step_end(args, state, control, **kwargs)
+        if control.should_save or control.should_training_stop:  # [overlap] a checkpoint, or the model at the end,
+            self.diloco.finish_pending_sync()  # holds the outer step of the sync in flight (model and state agree)
+        return control
 
     def _follow(self, state: Any) -> None:
         step = self.diloco.global_step
