@@ -326,6 +326,59 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.matchmaking:Matchmaking", "current_followers", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "peer_id", "instance", None),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "target_group_size", "instance", None),
+    # trahiv.engine.dht_stats: the DHT's messages, counted in its clients and at its handlers' registration
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "call_ping",
+        "method",
+        "(self, peer: 'PeerID', validate: 'bool' = False, strict: 'bool' = True) -> 'Optional[DHTID]'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "call_store",
+        "method",
+        "(self, peer: 'PeerID', keys: 'Sequence[DHTID]', values: 'Sequence[Union[BinaryDHTValue, DictionaryDHTValue]]', expiration_time: 'Union[DHTExpiration, Sequence[DHTExpiration]]', subkeys: 'Optional[Union[Subkey, Sequence[Optional[Subkey]]]]' = None, in_cache: 'Optional[Union[bool, Sequence[bool]]]' = None) -> 'Optional[List[bool]]'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "call_find",
+        "method",
+        "(self, peer: 'PeerID', keys: 'Collection[DHTID]') -> 'Optional[Dict[DHTID, Tuple[Optional[ValueWithExpiration[Union[BinaryDHTValue, DictionaryDHTValue]]], Dict[DHTID, PeerID]]]]'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "rpc_ping",
+        "method",
+        "(self, request: 'dht_pb2.PingRequest', context: 'P2PContext') -> 'dht_pb2.PingResponse'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "rpc_store",
+        "method",
+        "(self, request: 'dht_pb2.StoreRequest', context: 'P2PContext') -> 'dht_pb2.StoreResponse'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "rpc_find",
+        "method",
+        "(self, request: 'dht_pb2.FindRequest', context: 'P2PContext') -> 'dht_pb2.FindResponse'",
+    ),
+    Internal(
+        "hivemind.dht.protocol:DHTProtocol",
+        "add_p2p_handlers",
+        "method",
+        "(self, p2p: hivemind.p2p.p2p_daemon.P2P, wrapper: Any = None, *, namespace: Optional[str] = None, balanced: bool = False) -> None",
+    ),
+    Internal("hivemind.dht.node:DHTNode", "protocol", "instance", None),
+    Internal(
+        "hivemind.dht.dht:DHT", "_get", "method", "(self, key: 'DHTKey', latest: 'bool', future: 'MPFuture', **kwargs)"
+    ),
+    Internal(
+        "hivemind.dht.dht:DHT",
+        "_store",
+        "method",
+        "(self, key: 'DHTKey', value: 'DHTValue', expiration_time: 'DHTExpiration', subkey: 'Optional[Subkey]', future: 'MPFuture', **kwargs)",
+    ),
 )
 
 
