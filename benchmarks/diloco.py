@@ -49,7 +49,7 @@ def diloco_worker(spec: dict) -> dict:
     opt = {"run_id": spec["run_id"], "target_batch_size": 1, "min_peers": spec["peers"], "min_peers_timeout": 120.0,
            "matchmaking_time": spec["matchmaking_time"], "averaging_timeout": spec["averaging_timeout"]}  # fmt: skip
     dht = {"initial_peers": spec["initial_peers"], "host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False}
-    diloco = {"inner_steps": spec["inner_steps"], "compression": spec["compression"]}
+    diloco = {"inner_steps": spec["inner_steps"], "compression": spec["compression"], "overlap": spec["overlap"]}
     config = {"dht": dht, "opt": opt, "diloco": diloco}
     args = convergence.training_arguments(TrainingArguments, spec, out, spec["batch"], hivemind_config=config)
     trainer = Trainer(model=model, args=args, train_dataset=train)
@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--scheduler", default="linear")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
+    parser.add_argument("--overlap", action="store_true", help="DiLoCo runs sync in the background (`overlap`)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"], help="configs not to run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each swarm run")
@@ -179,7 +180,8 @@ def main() -> None:
         spec = {"workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
                 "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": 0.0,
                 "seed": args.seed, "matchmaking_time": args.matchmaking_time, "timeout": args.timeout,
-                "averaging_timeout": args.averaging_timeout, "threads": max(1, cores // args.peers)}  # fmt: skip
+                "averaging_timeout": args.averaging_timeout, "threads": max(1, cores // args.peers),
+                "overlap": args.overlap}  # fmt: skip
         runs: dict[str, Any] = {}
         if "a" not in args.skip:
             folder = tmp / "one_worker"
@@ -207,7 +209,7 @@ def main() -> None:
     report.update({
         "model": "demo tiny GPT-2, blocks of 64 tokens", "peers": args.peers, "batch_per_peer": args.batch,
         "inner_steps_total": args.steps, "inner_optimizer": "adamw_torch", "lr": args.lr,
-        "compression": args.compression,
+        "compression": args.compression, "overlap": args.overlap,
         "runs": runs, "cpu_cores": cores, "load_average_1_5_15": {"start": load_before, "end": os.getloadavg()},
     })  # fmt: skip
     text = json.dumps(report, indent=2)

@@ -17,9 +17,10 @@ averagers), joined through the first peer; P float32 parameters (default 262,144
   step's wall time, and the averaging rounds' reports (complete / partial / failed).
 
 CPU is broken down by process (main, dht, p2pd, averagers, other), and the DHT requests that cause the messages by
-key (the progress record, the averagers' matchmaking keys, ...), so that what grows with N shows. While a peer waits
-for the others it re-publishes its progress record (--keepalive-s): without it, trahiv lets a waiting peer's record
-expire after 60 s, and 16 peers that join one after another here never all count each other as ready. The machine's
+key (the progress record, the averagers' matchmaking keys, ...), so that what grows with N shows. 16 peers that join
+one after another here wait minutes for each other: the first run of this benchmark found that a waiting peer's
+progress record expired after 60 s (hivemind renews it only once the peer has samples) and the peers never all
+counted each other as ready; trahiv's Swarm.wait_for_peers now renews it (--keepalive-s adds renewals). The machine's
 1-minute load average and the CPU that other processes (not this benchmark's) used are recorded at the start and in
 every window: on a 2-core machine 16 peers share two cores, and a busy machine shows in every figure.
 """
@@ -450,9 +451,9 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=20.0, help="idle window")
     parser.add_argument("--settle-s", type=float, default=5.0, help="wait after every peer is ready, before idle")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
-    parser.add_argument("--keepalive-s", type=float, default=20.0,
-                        help="re-publish a waiting peer's progress record this often until it trains (0: as trahiv "
-                        "ships: a peer waiting over 60 s drops out of the others' count)")  # fmt: skip
+    parser.add_argument("--keepalive-s", type=float, default=0.0,
+                        help="also re-publish a waiting peer's progress record this often until it trains (0: only "
+                        "what trahiv does, in Swarm.wait_for_peers)")  # fmt: skip
     parser.add_argument("--run-timeout", type=float, default=600.0, help="bound on the 'rounds' phase")
     parser.add_argument("--exit-grace-s", type=float, default=20.0, help="wait for a peer to leave before killing it")
     parser.add_argument("--min-free-gb", type=float, default=3.0, help="memory to leave free on the machine")

@@ -148,7 +148,7 @@ def main(spec_path: str) -> int:
         dataloader_drop_last=True,
         weight_decay=0.0,
         logging_steps=spec.get("logging_steps", 5),
-        report_to=[],
+        report_to=spec.get("report_to", []),
         disable_tqdm=True,
         use_cpu=True,
         save_strategy="steps" if spec.get("save_steps") else "no",

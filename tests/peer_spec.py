@@ -79,6 +79,7 @@ class DiLoCoPeerSpec(_Common):
     diloco: dict[str, Any] = {}
     logging_steps: int = Field(5, ge=1)
     save_final: bool = False
+    report_to: list[str] = []
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

@@ -145,7 +145,7 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
     common = {"workdir": str(workdir), "run_id": "diloco_toy", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 3, "max_steps": 9, "lr": 0.1, "opt": {"min_peers": 2},
               "diloco": {"compression": "none", "overlap": overlap}}  # fmt: skip
-    peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, **common),
+    peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, report_to=["tensorboard"], logging_steps=1, **common),
              start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
     try:
         dones = [peer.finish(timeout=150) for peer in peers]
@@ -169,6 +169,16 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
         # the syncs of outer steps 1 and 2 ran while the next inner steps were computed (at least one each)
         assert (metrics["diloco_overlapped_steps"] >= 2) if overlap else metrics["diloco_overlapped_steps"] == 0
         assert metrics["averaging_bytes_sent"] > 0 and metrics["averaging_bytes_received"] > 0, metrics
+    # the experiment tracker (report_to) has the outer steps and the bytes as curves, at the Trainer's inner steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = {path.parent for path in (peers[0].out / "output").rglob("events.out.tfevents*")}
+    events = EventAccumulator(str(run))
+    events.Reload()
+    outer = [(e.step, e.value) for e in events.Scalars("train/outer_step")]
+    assert outer[-1] == (9, 3.0) and [v for _, v in outer] == sorted(v for _, v in outer), outer
+    sent = [e.value for e in events.Scalars("train/averaging_bytes_sent")]
+    assert sent[-1] == dones[0]["metrics"]["averaging_bytes_sent"] > 0 and sent == sorted(sent), sent
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
