@@ -482,7 +482,7 @@ def main() -> None:
             (logdir / str(n)).mkdir(exist_ok=True)
             result = run_swarm(n, args, logdir / str(n))
             result["memory_available_gb_before"] = round(available_gb, 1)
-            peer_mb = max(peer_mb if not results else 0.0, result["join"]["pss_mb_per_peer"]["max"])
+            peer_mb = result["join"]["pss_mb_per_peer"]["max"]  # (the first size replaces the guess)
             results.append(result)
             print(json.dumps({k: result[k] for k in list(result)[:9]}), file=sys.stderr, flush=True)
     report = {

@@ -149,7 +149,7 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
         swarm.shutdown()
 
 
-def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive():
+def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
     """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
     longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then
     never counted it as ready (16 peers joining for 2.5 minutes, branch session21). Here the lifetime is 1.5 s
@@ -179,5 +179,9 @@ def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive():
         waiting.join(timeout=10)
         assert not waiting.is_alive()
         assert all(seen), seen
+        # the state averager offers its state for download; the gradient averager does not (nobody downloads it)
+        assert optimizer.state_averager.allow_state_sharing and not optimizer.grad_averager.allow_state_sharing
+        assert swarm.dht.get("keep_alive_state_averager.all_averagers", latest=True) is not None
+        assert swarm.dht.get("keep_alive_grad_averager.all_averagers", latest=True) is None
     finally:
         swarm.shutdown()

@@ -594,7 +594,10 @@ def grad_averager_factory(
 ) -> Callable[..., RobustGradientAverager]:
     """The swarm's gradient averager (hivemind.Optimizer's `grad_averager_factory`): robust aggregation, weights
     clamped to the samples each peer reported, partial rounds reported under payload-based deadlines, PowerSGD when
-    asked, and (moderated swarms) only token holders served."""
+    asked, and (moderated swarms) only token holders served. It does not offer its "state" for download
+    (`allow_state_sharing=False`): nobody downloads it (RobustGradientAverager.load_state_from_peers), and hivemind's
+    averager re-announced it in the DHT at every change of its priority: 5 stores a step with 16 peers, each sent to
+    every other node (benchmarks/swarm_cost.py)."""
     progress_key = f"{opt.run_id}_progress"  # weights are clamped to the samples each peer reported there
     if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
         return partial(
@@ -603,10 +606,12 @@ def grad_averager_factory(
             request_timeout=request_timeout(opt),
             progress_key=progress_key,
             deadlines=Deadlines(),
+            allow_state_sharing=False,
         )
     factory = partial(
         gated(cls, gate),
         request_timeout=request_timeout(opt),
+        allow_state_sharing=False,
         aggregation=Aggregation(**opt.aggregation.model_dump()),
         progress_key=progress_key,
     )
