@@ -79,7 +79,10 @@ class Peer:
         path = self.out / "records.jsonl"
         if not path.exists():
             return []
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # only whole lines: a record longer than the writer's buffer (a DiLoCo sync record with its sha256s is over
+        # 4 KB) reaches the file in pieces, and a read between two of them sees the first piece without its newline
+        lines = path.read_text().split("\n")[:-1]
+        rows = [json.loads(line) for line in lines if line.strip()]
         return [r for r in rows if kind is None or r["kind"] == kind]
 
     def step(self) -> int:
