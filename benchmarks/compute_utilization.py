@@ -62,24 +62,34 @@ def worker(spec: dict) -> None:
     swarm.check_model(model_fingerprint(named))
     optimizer = swarm.make_optimizer([{"params": params}], lambda groups: torch.optim.SGD(groups, lr=1e-3), None, batch)
     swarm.wait_for_peers()
+    marks = compute_loop(spec, params, lambda: optimizer.step(batch_size=batch), lambda: optimizer.local_epoch)
+    rounds = swarm.metrics()
+    swarm.shutdown()
+    print(json.dumps({"rank": spec["rank"], "marks": marks, "metrics": rounds}), flush=True)
+
+
+def compute_loop(spec: dict, params: list, step: Any, progress: Any) -> list[tuple[int, float, float, float]]:
+    """Local steps of a fixed compute time (a sleep: forward + backward on an accelerator) until `progress()` (the
+    collaborative or the outer step) reaches spec["epochs"]; a mark (progress, time, compute so far, time in `step()`
+    so far) whenever it moves."""
+    import torch
+
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-    marks: list[tuple[int, float, float, float]] = []  # (collaborative step, time, compute so far, step() so far)
+    marks: list[tuple[int, float, float, float]] = []
     compute = in_step = 0.0
     deadline = time.monotonic() + spec["run_timeout"]
-    while optimizer.local_epoch < spec["epochs"] and time.monotonic() < deadline:
-        time.sleep(spec["compute_s"])  # forward + backward on an accelerator
+    while progress() < spec["epochs"] and time.monotonic() < deadline:
+        time.sleep(spec["compute_s"])
         compute += spec["compute_s"]
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad.clone()
         started = time.perf_counter()
-        epoch = optimizer.local_epoch
-        optimizer.step(batch_size=batch)
+        before = progress()
+        step()
         in_step += time.perf_counter() - started
-        if optimizer.local_epoch != epoch:
-            marks.append((optimizer.local_epoch, time.perf_counter(), compute, in_step))
-    rounds = swarm.metrics()
-    swarm.shutdown()
-    print(json.dumps({"rank": spec["rank"], "marks": marks, "metrics": rounds}), flush=True)
+        if progress() != before:
+            marks.append((progress(), time.perf_counter(), compute, in_step))
+    return marks
 
 
 def diloco_worker(spec: dict) -> None:
@@ -106,21 +116,7 @@ def diloco_worker(spec: dict) -> None:
     swarm.wait_for_peers()
     optimizer.wait_for_records(peers - 1, timeout=60.0)
     optimizer.join()
-    grads = [torch.randn_like(p) * 1e-3 for p in params]
-    marks: list[tuple[int, float, float, float]] = []  # (outer step, time, compute so far, step() so far)
-    compute = in_step = 0.0
-    deadline = time.monotonic() + spec["run_timeout"]
-    while optimizer.outer_step < spec["epochs"] and time.monotonic() < deadline:
-        time.sleep(spec["compute_s"])  # forward + backward on an accelerator
-        compute += spec["compute_s"]
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
-        started = time.perf_counter()
-        outer_step = optimizer.outer_step
-        optimizer.step()
-        in_step += time.perf_counter() - started
-        if optimizer.outer_step != outer_step:
-            marks.append((optimizer.outer_step, time.perf_counter(), compute, in_step))
+    marks = compute_loop(spec, params, optimizer.step, lambda: optimizer.outer_step)
     optimizer.finish_pending_sync()
     metrics = optimizer.metrics()
     swarm.shutdown()  # (its DiLoCo optimizer too)
