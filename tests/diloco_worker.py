@@ -163,6 +163,8 @@ def main(spec_path: str) -> int:
     )
     if spec.get("byzantine"):
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
+    if not spec.get("download_at_start", True):  # as when the download from the peer to start from fails
+        DiLoCoOptimizer.join = lambda self: False  # type: ignore[method-assign]
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None

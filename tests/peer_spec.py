@@ -80,6 +80,7 @@ class DiLoCoPeerSpec(_Common):
     logging_steps: int = Field(5, ge=1)
     save_final: bool = False
     report_to: list[str] = []
+    download_at_start: bool = True  # False: the peer keeps its own parameters at start (a failed download)
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

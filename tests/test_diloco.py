@@ -18,7 +18,14 @@ import transformers
 from swarm_helpers import Peer, process_tree, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
-from trahiv.diloco import PeerProgress, outer_sgd_step_, since_first_seen, sync_deadline
+from trahiv.diloco import (
+    PeerProgress,
+    outer_digest,
+    outer_sgd_step_,
+    since_first_seen,
+    swarm_state_holder,
+    sync_deadline,
+)
 
 
 def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
@@ -108,6 +115,37 @@ def test_progress_records_are_validated():
     assert PeerProgress.parse(good).revert_id == 0  # type: ignore[union-attr]  # records from before revert ids
     assert PeerProgress.parse({**good, "revert_id": 2}).revert_id == 2  # type: ignore[union-attr]
     assert PeerProgress.parse({**good, "revert_id": "2"}) is None
+    assert PeerProgress.parse({**good, "outer_digest": "00ff12"}).digest == "00ff12"  # type: ignore[union-attr]
+    for digest in ("XYZ", 12, "0" * 33):
+        assert PeerProgress.parse({**good, "outer_digest": digest}) is None, digest
+
+
+def test_outer_digest_tells_bit_identical_outer_parameters_apart():
+    tensors = [torch.randn(3, 5), torch.randn(7)]
+    assert outer_digest([t.clone() for t in tensors]) == outer_digest(tensors)
+    nudged = [tensors[0], tensors[1].clone()]
+    nudged[1][6] = torch.nextafter(nudged[1][6], torch.tensor(math.inf))  # the last value, by one bit
+    assert outer_digest(nudged) != outer_digest(tensors)
+    big = [torch.zeros(2**22 + 10)]  # over DIGEST_VALUES: every other value is hashed
+    moved = big[0].clone()
+    moved[2**20] = 1.0
+    assert outer_digest([moved]) != outer_digest(big)
+
+
+def test_the_swarms_outer_state_is_the_one_most_peers_hold_ties_going_to_the_earliest():
+    me = record(peer="me", outer_step=4, started=5.0, digest="aa")
+    early_b = record(peer="b", outer_step=4, started=1.0, digest="bb")
+    late_b = record(peer="c", outer_step=4, started=9.0, digest="bb")
+    assert swarm_state_holder(me, [early_b]) is early_b  # one each: the earliest-started peer's
+    assert swarm_state_holder(record(peer="me", outer_step=4, started=0.5, digest="aa"), [early_b]) is None
+    assert swarm_state_holder(me, [early_b, late_b]) is early_b  # two hold bb
+    same = record(peer="d", outer_step=4, started=0.1, digest="aa")
+    assert swarm_state_holder(me, [early_b, same]) is None  # a tie; the earliest (d) holds this peer's
+    assert swarm_state_holder(me, [early_b, late_b, same]) is None  # two each: d is the earliest
+    third_b = record(peer="g", outer_step=4, started=20.0, digest="bb")
+    assert swarm_state_holder(me, [late_b, third_b, early_b, same]) is early_b  # three hold bb: its earliest holder
+    elsewhere = [record(peer="e", outer_step=3, started=0.0, digest="ee"), record(peer="f", outer_step=4, digest="")]
+    assert swarm_state_holder(me, elsewhere) is None  # other outer steps, and records without a digest, do not count
 
 
 def test_config_rejects_unknown_keys_and_clashes():
@@ -224,7 +262,7 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir, o
     for s in compared:  # the joiner's outer parameters after its download and after every sync it took part in
         assert records[2][s]["outer_sha256"] == records[0][s]["outer_sha256"], s
     assert dones[2]["syncs"]["averaged"] >= 1, dones[2]
-    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "failed": 0, "missed": 0}, dones[0]
+    assert dones[0]["syncs"] == {"averaged": 8, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, dones[0]
     if overlap:
         assert dones[0]["metrics"]["diloco_overlapped_steps"] >= 7, dones[0]["metrics"]  # syncs 1-7 each overlapped
 
@@ -264,6 +302,33 @@ def test_lora_only_adapters_travel(tmp_path, workdir):
         per_round = metrics["averaging_bytes_sent"] / 3
         assert expected <= per_round <= 1.1 * expected + 1000, (per_round, expected)  # + message headers
         assert per_round < model_values / 10  # a tenth of the model's fp16 all-reduce: no base weight travels
+
+
+def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
+    """Two LoRA peers whose start-up download failed keep their own random adapters: their records' digests differ at
+    the first sync point, and the peer not holding the swarm's outer state (a tie: the earliest-started peer's) drops
+    its pseudo-gradient and downloads it. From then on they average together, and end identical."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_apart", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 3, "max_steps": 12, "lr": 1e-2, "lora": True, "save_final": True,
+              "download_at_start": False, "opt": {"min_peers": 2}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b")]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    records = [syncs(peer) for peer in peers]
+    assert records[0][0]["outer_sha256"] != records[1][0]["outer_sha256"]  # they did start apart
+    assert sorted(done["syncs"]["diverged"] for done in dones) == [0, 1], dones
+    for done in dones:
+        assert done["global_step"] == 12 and done["outer_step"] == 4, done
+        assert done["syncs"]["averaged"] >= 3 and done["syncs"]["failed"] == 0, done  # the syncs after the download
+        assert done["metrics"]["averaging_rounds_partial"] == 0 == done["metrics"]["averaging_rounds_failed"], done
+    final_a, final_b = (torch.load(peer.out / "final.pt") for peer in peers)
+    adapters = [name for name in final_a if "lora_" in name]
+    assert adapters and all(torch.equal(final_a[name], final_b[name]) for name in adapters)
 
 
 def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):

@@ -64,6 +64,6 @@ def test_resume_continues_at_the_same_inner_and_outer_step(tmp_path, workdir):
             assert begin[key] == saved[key], (after.name, key, saved, begin)
         assert saved["model"] != saved["outer_params"]  # half-way inner parameters, not the outer ones
         assert done["global_step"] == 12 and done["outer_step"] == 3, done
-        assert done["syncs"] == {"averaged": 2, "alone": 0, "failed": 0, "missed": 0}, done
+        assert done["syncs"] == {"averaged": 2, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, done
     syncs = [{r["outer_step"]: r["sha256"] for r in peer.records("sync")} for peer in second]
     assert syncs[0][2] == syncs[1][2] and syncs[0][3] == syncs[1][3]  # identical right after both syncs

@@ -17,6 +17,11 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   (x ETA_SLACK, + a floor, bounded by `max_sync_wait`), then averages with those present: a slow or dead peer costs
   the others at most that wait; a peer killed during the all-reduce costs them the round's chunk deadline (seconds);
 - the outer step is in each peer's group key: peers at different outer steps never average together;
+- each record carries a digest of the peer's outer parameters (`outer_digest`, also in the group key): peers at one
+  outer step must hold the same bits. One whose digest differs from the one most peers at its step report (a tie: the
+  earliest-started holder's, whom joiners start from) downloads theirs at its sync point, as a peer that missed a sync
+  does (`diloco_syncs_diverged` counts it): a failed download at start or a part of a round left unaveraged cannot
+  split the swarm for good;
 - a peer that finds the swarm at a later outer step (it missed a sync: too slow, or its round failed while the others
   moved on) drops its pseudo-gradient (its H steps of work are lost: it was computed against outer parameters the
   swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
@@ -36,11 +41,12 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +70,10 @@ __all__ = [
     "DiLoCoFlowCallback",
     "DiLoCoOptimizer",
     "PeerProgress",
+    "outer_digest",
     "outer_sgd_step_",
     "since_first_seen",
+    "swarm_state_holder",
     "sync_deadline",
 ]
 
@@ -75,6 +83,7 @@ ETA_SLACK = 2.0  # a sync waits for a slower peer up to 2x the time its reported
 MIN_WAIT = 5.0  # seconds added to every wait (busy CPUs: a step can take a few times the average)
 UNKNOWN_RATE_WAIT = 60.0  # seconds a sync waits for a peer that has not measured its speed yet
 POLL_PERIOD = 0.2  # seconds between two reads of the peers' progress while waiting
+DIGEST_VALUES = 1 << 22  # values an outer state's digest hashes at most (every k-th one beyond: about 16 MB)
 
 
 # --- the outer step ------------------------------------------------------------------------------------------------
@@ -96,6 +105,16 @@ def outer_sgd_step_(
         param.sub_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=lr)
 
 
+def outer_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A fingerprint of outer parameters (BLAKE2b of their bytes; of every k-th value when there are more than
+    DIGEST_VALUES): peers at one outer step hold bit-identical outer parameters, so their digests are equal."""
+    stride = max(1, -(-sum(t.numel() for t in tensors) // DIGEST_VALUES))
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        digest.update(tensor.detach().reshape(-1)[::stride].contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 # --- the peers' progress ----------------------------------------------------------------------------------------------
 
 
@@ -114,6 +133,7 @@ class PeerProgress:
     started: float
     revert_id: int = 0  # the newest revert order this peer applied (trahiv.revert)
     syncing: bool = False  # [overlap] its sync of `outer_step` runs in the background while it trains on
+    digest: str = ""  # `outer_digest` of its outer parameters at `outer_step` ('': not said)
 
     @classmethod
     def parse(cls, value: Any) -> PeerProgress | None:
@@ -132,11 +152,13 @@ class PeerProgress:
         revert_id, syncing = value.get("revert_id", 0), value.get("syncing", False)
         if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int or type(syncing) is not bool:
             return None
+        digest = value.get("outer_digest", "")
+        if type(digest) is not str or len(digest) > 32 or digest.strip("0123456789abcdef"):
+            return None
         outer_step, inner_done, inner_steps, samples = ints
         steps_per_second, at, started = (float(x) for x in floats)
-        return cls(
-            peer, outer_step, inner_done, inner_steps, samples, steps_per_second, at, started, revert_id, syncing
-        )
+        rates = (steps_per_second, at, started)
+        return cls(peer, outer_step, inner_done, inner_steps, samples, *rates, revert_id, syncing, digest)
 
     def eta(self, outer_step: int | None = None) -> float:
         """DHT time by which this peer should reach the sync point of `outer_step` (default: of its own outer step),
@@ -148,6 +170,21 @@ class PeerProgress:
         if self.steps_per_second <= 0:
             return self.time + UNKNOWN_RATE_WAIT
         return self.time + ETA_SLACK * remaining / self.steps_per_second
+
+
+def swarm_state_holder(me: PeerProgress, others: Iterable[PeerProgress]) -> PeerProgress | None:
+    """A peer that holds the swarm's outer parameters at `me`'s outer step if `me` holds others (else None).
+
+    The swarm's are those whose digest most peers at that step report; a tie goes to the earliest-started holder, the
+    peer that joiners start from (see `DiLoCoOptimizer.join`). Peers that average together apply the same averaged
+    pseudo-gradient to the same outer parameters, so their digests stay equal; a peer whose start-up download failed,
+    or whose part of a round was left unaveraged, would otherwise train apart from the swarm for good."""
+    records = {r.peer: r for r in others if r.outer_step == me.outer_step and r.digest and r.peer != me.peer}
+    holders: dict[str, list[tuple[float, str]]] = {me.digest: [(me.started, me.peer)]}
+    for record in records.values():
+        holders.setdefault(record.digest, []).append((record.started, record.peer))
+    swarms = min(holders, key=lambda digest: (-len(holders[digest]), min(holders[digest])))
+    return None if swarms == me.digest else records[min(holders[swarms])[1]]
 
 
 def since_first_seen(record: PeerProgress, first_seen: dict[tuple[str, int, int], float]) -> PeerProgress:
@@ -211,9 +248,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.outer_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
             self.momenta = [torch.zeros_like(p) for p in self.outer_params]
             grads = [torch.zeros_like(p) for p in self.outer_params]
+        self.outer_digest = outer_digest(self.outer_params)  # kept with outer_step (both under self._lock)
         self.outer_step = self.inner_done = self.samples = self.samples_total = 0
         self.resumed = False  # set by load_state_dict: this peer continues a checkpoint of its own (see join)
-        self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0}
+        # missed: the swarm moved on without this peer; diverged: its outer parameters were not the swarm's
+        self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}
+        self._adopt_from: PeerProgress | None = None  # the peer whose outer state a diverged peer downloads
         self.sync_wait_s = 0.0  # seconds the inner loop stood still for syncs (waiting for peers, averaging)
         self.overlapped_steps = 0  # [overlap] inner steps computed while a sync ran in the background
         self._pending: PendingSync | None = None  # [overlap] the sync running in the background
@@ -265,7 +305,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             next_chunk_timeout=opt.next_chunk_timeout,
             shutdown_timeout=opt.shutdown_timeout,
             client_mode=swarm.dht.client_mode,
-            initial_group_bits=group_bits(0),
+            initial_group_bits=group_bits(0, self.outer_digest),
             start=True,
         )
 
@@ -320,14 +360,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.sync_wait_s += time.monotonic() - began
 
     def _adopt_after_a_missed_sync(self) -> bool:
-        """The swarm took this outer step without this peer: drop its pseudo-gradient and download the swarm's outer
-        state (True), or, if no peer serves it, say so (False: the peer takes the outer step with its own)."""
-        logger.warning(
-            f"The swarm moved past outer step {self.outer_step} without this peer: dropping its pseudo-gradient "
-            f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
-        )
-        self.syncs["missed"] += 1
-        if self._adopt_swarm_state():
+        """The swarm took this outer step without this peer, or holds other outer parameters at it (`_adopt_from`):
+        drop its pseudo-gradient and download the swarm's outer state (True), or, if no peer serves it, say so (False:
+        the peer takes the outer step with its own)."""
+        source, self._adopt_from = self._adopt_from, None
+        if source is not None:
+            logger.warning(
+                f"Outer step {self.outer_step}: this peer's outer parameters (digest {self.outer_digest}) are not the "
+                f"swarm's ({source.digest}, held by {source.peer} and the most peers at this step): dropping its "
+                f"pseudo-gradient ({self.inner_done} inner steps) and downloading the swarm's outer parameters"
+            )
+            self.syncs["diverged"] += 1
+        else:
+            logger.warning(
+                f"The swarm moved past outer step {self.outer_step} without this peer: dropping its pseudo-gradient "
+                f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
+            )
+            self.syncs["missed"] += 1
+        if self._adopt_swarm_state(prefer=source.peer if source is not None else None):
             return True
         logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
         return False
@@ -424,13 +474,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return any(record.outer_step > self.outer_step for record in self._others().values())
 
     def _wait_for_peers(self) -> bool:
-        """Wait for the peers at this outer step until `sync_deadline`; True if the swarm is already past it."""
+        """Wait for the peers at this outer step until `sync_deadline`. True if this peer must adopt the swarm's outer
+        state instead of averaging: the swarm is already past this outer step, or holds other outer parameters at it
+        (`_adopt_from`)."""
         # the floor also covers the age of a record when first seen (it is published every PUBLISH_PERIOD)
         started, floor = get_dht_time(), max(MIN_WAIT, self.config.opt.matchmaking_time) + PUBLISH_PERIOD
         first_seen: dict[tuple[str, int, int], float] = {}
         while True:
             others = self._others()
             if any(record.outer_step > self.outer_step for record in others.values()):
+                return True
+            self._adopt_from = self._swarm_state_if_not_ours(others.values())
+            if self._adopt_from is not None:
                 return True
             pending = [since_first_seen(r, first_seen) for r in others.values() if self._coming(r)]
             if not pending:
@@ -440,6 +495,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.warning(f"Outer step {self.outer_step}: going on without the peers still training: {late}")
                 return False
             time.sleep(POLL_PERIOD)
+
+    def _swarm_state_if_not_ours(self, others: Iterable[PeerProgress]) -> PeerProgress | None:
+        with self._lock:
+            me = PeerProgress(
+                self.swarm.peer_id, self.outer_step, 0, 1, 0, 0.0, 0.0, self.started, digest=self.outer_digest
+            )
+        return swarm_state_holder(me, others)
+
+    def _same_state(self, record: PeerProgress) -> bool:
+        """Whether a peer can average with this one: not at this outer step with other outer parameters."""
+        return record.outer_step != self.outer_step or not record.digest or record.digest == self.outer_digest
 
     def _coming(self, record: PeerProgress) -> bool:
         """Whether a peer is on its way to this outer step's sync point: at this outer step and still training, or
@@ -454,14 +520,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _average(self, weight: int) -> str:
         """All-reduce the pseudo-gradients with the peers at this outer step: 'averaged', 'alone' or 'failed'."""
-        ready = [r for r in self.peers.values() if r.outer_step == self.outer_step and r.inner_done >= r.inner_steps]
+        # (a peer with other outer parameters at this step is about to adopt the swarm's: it does not average)
+        peers = [r for r in self.peers.values() if self._same_state(r)]
+        ready = [r for r in peers if r.outer_step == self.outer_step and r.inner_done >= r.inner_steps]
         if not ready:
             self.syncs["alone"] += 1
             return "alone"
-        self.averager.set_group_bits(group_bits(self.outer_step))
+        self.averager.set_group_bits(group_bits(self.outer_step, self.outer_digest))
         # a group that holds every peer at this outer step or one behind (about to catch up: a joiner) assembles at
         # once, not when the declared matchmaking time runs out; one of them missing costs that time, as before
-        near = [r.peer for r in self.peers.values() if self.outer_step - 1 <= r.outer_step <= self.outer_step]
+        near = [r.peer for r in peers if self.outer_step - 1 <= r.outer_step <= self.outer_step]
         self.averager.expect_peers(PeerID.from_base58(peer).to_bytes() for peer in (self.swarm.peer_id, *near))
         opt = self.config.opt
         # the peers that are ready look for a group within a poll period of each other: a few matchmaking windows
@@ -485,6 +553,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._lock, self.averager.get_tensors() as grads:
             outer_sgd_step_(self.outer_params, grads, self.momenta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
             self.outer_step += 1
+            self.outer_digest = outer_digest(self.outer_params)
             if at_sync is None:
                 self.inner_done = self.samples = 0
                 self._copy_outer_to_model()
@@ -528,7 +597,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # started a moment earlier waits for the others at its sync point instead of shortening their first round
         if self._adopt_swarm_state(prefer=leader.peer, follow_inner=leader.outer_step > 0):
             return True
-        logger.warning("Could not download the swarm's outer state: starting from this peer's own parameters")
+        logger.warning(
+            "Could not download the swarm's outer state: starting from this peer's own parameters (if they are not "
+            "the swarm's, its digest tells at the first sync point, and the peer downloads them there)"
+        )
         return False
 
     def wait_for_records(self, peers: int, timeout: float) -> int:
@@ -557,6 +629,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
                 target.copy_(source)
             self.outer_step = int(metadata["epoch"])
+            self.outer_digest = outer_digest(self.outer_params)
             same = [r.inner_done for r in self._others().values() if r.outer_step == self.outer_step]
             self.inner_done = min(max(same, default=0), self.cfg.inner_steps - 1) if follow_inner else 0
             self.samples = 0
@@ -593,6 +666,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
                 target.copy_(source)
             self.outer_step, self.inner_done, self.samples = int(metadata["epoch"]), 0, 0
+            self.outer_digest = outer_digest(self.outer_params)
             self.inner.state.clear()  # (the same dict as self.state) fresh statistics, as at the run's start
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
@@ -605,9 +679,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # --- progress records -------------------------------------------------------------------------------------------
 
     def _record(self) -> dict[str, Any]:
+        with self._lock:  # an outer step and the digest of its outer parameters
+            outer_step, digest = self.outer_step, self.outer_digest
         return {
             "peer_id": self.swarm.dht.peer_id.to_bytes(),
-            "outer_step": self.outer_step,
+            "outer_step": outer_step,
+            "outer_digest": digest,
             "inner_done": self.inner_done,
             "inner_steps": self.cfg.inner_steps,
             # (the weight caps read it: with a sync in flight, the samples of its pseudo-gradient)
@@ -648,6 +725,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "swarm_peers": 1 + len(self.peers),
             "samples_contributed": self.samples_total,
             "diloco_syncs_missed": self.syncs["missed"],
+            "diloco_syncs_diverged": self.syncs["diverged"],
             "diloco_sync_wait_s": round(self.sync_wait_s, 3),
             "diloco_overlapped_steps": self.overlapped_steps,
             **rounds,
@@ -679,6 +757,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 ):
                     target.copy_(source)
                 self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
+                self.outer_digest = outer_digest(self.outer_params)
                 # the pseudo-gradient's weight counts the samples of this round from before the restart too
                 self.samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
                 self.samples_total = int(saved.get("samples_total", self.samples_total))
@@ -701,9 +780,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.averager.shutdown()
 
 
-def group_bits(outer_step: int) -> str:
-    """The group key bits for an outer step: peers at different outer steps never form a group."""
-    return format(outer_step % 2**16, "016b")
+def group_bits(outer_step: int, digest: str) -> str:
+    """The group key bits (16, as trahiv's step keys: trahiv.engine.fixes) for an outer step and the digest of the
+    outer parameters: peers at different outer steps, or with other outer parameters, never form a group."""
+    return format(outer_step % 2**8, "08b") + format(int(digest[:2] or "0", 16), "08b")
 
 
 # --- the Trainer's flow over inner steps ----------------------------------------------------------------------------
