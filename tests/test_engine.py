@@ -152,7 +152,7 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
     """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
     longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then
-    never counted it as ready (16 peers joining for 2.5 minutes, branch session21). Here the lifetime is 1.5 s
+    never counted it as ready (16 peers joining for 2.5 minutes, benchmarks/swarm_cost.py). Here the lifetime is 1.5 s
     and the wait 6 s; the record must be there all along."""
     import threading
 

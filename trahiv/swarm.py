@@ -259,7 +259,7 @@ class Swarm:
             if tracker is not None and time.monotonic() - announced > tracker.metadata_expiration / 3:
                 # hivemind renews a progress record only once its peer has samples: a peer waiting here longer than
                 # the record's lifetime (60 s) vanished from the others' view, which then never counted it as ready
-                # (16 peers on one machine took 2.5 minutes to join, branch session21)
+                # (16 peers on one machine took 2.5 minutes to join: benchmarks/swarm_cost.py)
                 tracker.announce()
                 announced = time.monotonic()
             self.publish_model()  # (renewed every MODEL_RECORD_TTL / 4)
