@@ -281,6 +281,38 @@ def test_the_helper_builds_from_the_schema_most_trainers_published():
     assert agreed_schema({"peer4": records["peer4"]}) is None
 
 
+def test_the_helper_gives_up_a_round_the_trainers_finished_without_it():
+    """A gradient round whose group has not formed is given up as soon as the trainers' step passes it (they averaged
+    without the helper), not after the averaging timeout; a round whose group formed is waited for."""
+    from concurrent.futures import Future
+
+    from trahiv.auxiliary.helper import AveragingHelper
+
+    class Tracker:  # the trainers are at step 6; the next look at their progress finds them at step 7
+        global_epoch, refreshes = 6, 0
+
+        def refresh_now(self) -> None:
+            self.global_epoch, self.refreshes = 7, self.refreshes + 1
+
+    tracker = Tracker()
+    helper = AveragingHelper()
+    helper.tracker = tracker  # type: ignore[assignment]
+    searching = Future()
+    searching.stage = None  # type: ignore[attr-defined]  # (hivemind's StepControl: no group yet)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="moved on to step 7 without this peer"):
+        helper._wait_for_round(searching, 6, timeout=60.0, give_up=True)
+    assert tracker.refreshes >= 1 and time.monotonic() - started < 10
+
+    from hivemind.averaging.control import AveragingStage
+
+    in_group = Future()
+    in_group.stage = AveragingStage.RUNNING_ALLREDUCE  # type: ignore[attr-defined]
+    threading.Timer(1.5, in_group.set_result, ([],)).start()  # the round ends after the trainers' step moved on
+    helper._wait_for_round(in_group, 6, timeout=60.0, give_up=True)
+    assert in_group.done()
+
+
 def test_aux_refuses_a_store_of_another_run(tmp_path, capsys):
     from trahiv.cli.main import main
 
