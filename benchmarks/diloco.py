@@ -49,7 +49,8 @@ def diloco_worker(spec: dict) -> dict:
     opt = {"run_id": spec["run_id"], "target_batch_size": 1, "min_peers": spec["peers"], "min_peers_timeout": 120.0,
            "matchmaking_time": spec["matchmaking_time"], "averaging_timeout": spec["averaging_timeout"]}  # fmt: skip
     dht = {"initial_peers": spec["initial_peers"], "host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False}
-    diloco = {"inner_steps": spec["inner_steps"], "compression": spec["compression"], "overlap": spec["overlap"]}
+    diloco = {"inner_steps": spec["inner_steps"], "compression": spec["compression"], "overlap": spec["overlap"],
+              "fragments": spec.get("fragments", 1)}  # fmt: skip
     config = {"dht": dht, "opt": opt, "diloco": diloco}
     args = convergence.training_arguments(TrainingArguments, spec, out, spec["batch"], hivemind_config=config)
     trainer = Trainer(model=model, args=args, train_dataset=train)
@@ -118,6 +119,16 @@ def summarize(results: list[dict], wall: float, extra: dict) -> dict:
         "averaging_rounds_per_peer": rounds,
         "wall_s_including_startup": round(wall, 2),
         **({"syncs": [r["syncs"] for r in results]} if "syncs" in results[0] else {}),
+        # (with fragments a sync carries one fragment: the peak a link must carry at once drops that many fold)
+        **(
+            {
+                "bytes_sent_per_sync_per_peer": round(
+                    sum(sent) / len(sent) / max(1, sum(r["outer_step"] for r in results) / len(results))
+                )
+            }
+            if "outer_step" in results[0]
+            else {}
+        ),
         **extra,
     }
 
@@ -154,6 +165,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--overlap", action="store_true", help="DiLoCo runs sync in the background (`overlap`)")
+    parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: fragments synced in turn")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"], help="configs not to run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each swarm run")
@@ -181,7 +193,7 @@ def main() -> None:
                 "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": 0.0,
                 "seed": args.seed, "matchmaking_time": args.matchmaking_time, "timeout": args.timeout,
                 "averaging_timeout": args.averaging_timeout, "threads": max(1, cores // args.peers),
-                "overlap": args.overlap}  # fmt: skip
+                "overlap": args.overlap, "fragments": args.fragments}  # fmt: skip
         runs: dict[str, Any] = {}
         if "a" not in args.skip:
             folder = tmp / "one_worker"
@@ -209,7 +221,7 @@ def main() -> None:
     report.update({
         "model": "demo tiny GPT-2, blocks of 64 tokens", "peers": args.peers, "batch_per_peer": args.batch,
         "inner_steps_total": args.steps, "inner_optimizer": "adamw_torch", "lr": args.lr,
-        "compression": args.compression, "overlap": args.overlap,
+        "compression": args.compression, "overlap": args.overlap, "fragments": args.fragments,
         "runs": runs, "cpu_cores": cores, "load_average_1_5_15": {"start": load_before, "end": os.getloadavg()},
     })  # fmt: skip
     text = json.dumps(report, indent=2)

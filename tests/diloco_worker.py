@@ -106,6 +106,7 @@ class SyncRecorder(TrainerCallback):
         if self.spec.get("toy_grad") is not None:
             line["values"] = named[0][1].tolist()
             line["outer_values"] = outer[named[0][0]].tolist()
+            line["outer_by_tensor"] = {n: t.tolist() for n, t in outer.items()}
         self.records.write(json.dumps(line) + "\n")
 
 

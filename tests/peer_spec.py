@@ -54,6 +54,7 @@ class _Common(_Strict):
     seed: int = 42
     sleep_per_step: float = Field(0.0, ge=0)
     toy_grad: float | None = None
+    toy_tensors: int = Field(1, ge=1)  # the toy model's tensors (each `w`-shaped, with the same gradient)
     eval_blocks: int | None = Field(None, ge=1)
     save_steps: int | None = Field(None, ge=1)
     resume: str | bool | None = None

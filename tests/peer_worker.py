@@ -132,13 +132,15 @@ def eval_loss(model, dataset, blocks: int) -> float:
 class ToyModel(torch.nn.Module):
     """loss = <w, c>: every local step's gradient is exactly c, so the averaged update is predictable."""
 
-    def __init__(self, grad: float, size: int = 4):
+    def __init__(self, grad: float, size: int = 4, tensors: int = 1):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(size))
+        self.more = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(size)) for _ in range(tensors - 1)])
         self.register_buffer("c", torch.full((size,), float(grad)))
 
     def forward(self, input_ids=None, labels=None, **kwargs):
-        return {"loss": (self.w * self.c).sum() + 0.0 * input_ids.float().sum()}
+        loss = sum(((w * self.c).sum() for w in (self.w, *self.more)), 0.0 * input_ids.float().sum())
+        return {"loss": loss}
 
 
 class FaultInjector(TrainerCallback):
@@ -241,7 +243,7 @@ def digest(model) -> str:
 
 def build_model(spec: dict):
     if spec.get("toy_grad") is not None:
-        return ToyModel(spec["toy_grad"])
+        return ToyModel(spec["toy_grad"], tensors=spec.get("toy_tensors", 1))
     model = transformers.AutoModelForCausalLM.from_pretrained(Path(spec["workdir"]) / "model")
     if spec.get("n_embd") and spec["n_embd"] != model.config.n_embd:  # a deliberately different model
         config = model.config

@@ -23,6 +23,7 @@ from trahiv.diloco import (
     outer_digest,
     outer_sgd_step_,
     since_first_seen,
+    split_fragments,
     swarm_state_holder,
     sync_deadline,
 )
@@ -148,6 +149,17 @@ def test_the_swarms_outer_state_is_the_one_most_peers_hold_ties_going_to_the_ear
     assert swarm_state_holder(me, elsewhere) is None  # other outer steps, and records without a digest, do not count
 
 
+def test_fragments_are_runs_of_consecutive_tensors_of_about_equal_size():
+    assert split_fragments([4, 4], 1) == [[0, 1]]
+    assert split_fragments([4, 4], 2) == [[0], [1]]
+    assert split_fragments([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([1, 1, 1, 10], 2) == [[0, 1, 2], [3]]
+    assert split_fragments([5] * 7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_fragments([1, 1, 1, 1, 100], 4) == [[0, 1], [2], [3], [4]]  # every fragment holds a tensor
+    with pytest.raises(ValueError, match="only 1 trainable tensors"):
+        split_fragments([8], 2)
+
+
 def test_config_rejects_unknown_keys_and_clashes():
     base = {"opt": {"run_id": "r", "target_batch_size": 4}}
     assert HivemindConfig.load({**base, "diloco": {"inner_steps": 7}}).diloco.inner_steps == 7  # type: ignore[union-attr]
@@ -155,6 +167,9 @@ def test_config_rejects_unknown_keys_and_clashes():
         HivemindConfig.load({**base, "diloco": {"inner_step": 7}})
     with pytest.raises(ValueError, match="compression"):
         HivemindConfig.load({**base, "diloco": {"compression": "int4"}})
+    with pytest.raises(ValueError, match="inner_steps=10 is not a multiple of fragments=4"):
+        HivemindConfig.load({**base, "diloco": {"inner_steps": 10, "fragments": 4}})
+    assert HivemindConfig.load({**base, "diloco": {"inner_steps": 8, "fragments": 4}}).diloco.fragments == 4  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="use_local_updates"):
         HivemindConfig.load({"opt": {**base["opt"], "use_local_updates": True}, "diloco": {}})
 
@@ -217,6 +232,48 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
     assert outer[-1] == (9, 3.0) and [v for _, v in outer] == sorted(v for _, v in outer), outer
     sent = [e.value for e in events.Scalars("train/averaging_bytes_sent")]
     assert sent[-1] == dones[0]["metrics"]["averaging_bytes_sent"] > 0 and sent == sorted(sent), sent
+
+
+def nesterov_values(pseudo_gradients: list[float], lr=0.7, mu=0.9) -> list[float]:
+    w, m, values = 0.0, 0.0, []
+    for g in pseudo_gradients:
+        m = mu * m + g
+        w -= lr * (g + mu * m)
+        values.append(w)
+    return values
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_streaming_fragments_sync_in_turn_each_with_its_own_outer_step(tmp_path, workdir, overlap):
+    """Streaming DiLoCo, a toy model of two tensors, H = 4, 2 fragments: a sync point every 2 inner steps averages
+    one tensor in turn, w at global steps 2, 6 and the other at 4, 8. Every inner SGD step moves each tensor by
+    -0.1 x c (c = 1 and 3: 0.2 on average), so w's first pseudo-gradient covers 2 steps (0.4) and every later one
+    4 (0.8), as the other's do; each tensor follows the Nesterov formula with its own sequence."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_fragments", "initial_peers": boot.initial_peers,
+              "batch_size": 2, "inner_steps": 4, "max_steps": 8, "lr": 0.1, "opt": {"min_peers": 2}, "toy_tensors": 2,
+              "diloco": {"compression": "none", "fragments": 2, "overlap": overlap}}  # fmt: skip
+    peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, **common),
+             start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    first, second = nesterov_values([0.4, 0.8]), nesterov_values([0.8, 0.8])
+    # outer step s -> (w's value, the other tensor's) after s syncs
+    expected = {1: (first[0], 0.0), 2: (first[0], second[0]), 3: (first[1], second[0]), 4: (first[1], second[1])}
+    for peer, done in zip(peers, dones, strict=True):
+        assert done["outer_step"] == 4 and done["global_step"] == 8, done
+        assert done["syncs"]["averaged"] == 4, done
+        assert done["metrics"]["averaging_rounds_complete"] == 4, done["metrics"]
+        recorded = {s: r["outer_by_tensor"] for s, r in syncs(peer).items() if s > 0}
+        assert 4 in recorded and (overlap or sorted(recorded) == [1, 2, 3, 4]), sorted(recorded)
+        for s, values in recorded.items():
+            w, more = values["w"], values["more.0"]  # (fragment 0: w, the first tensor)
+            assert w == pytest.approx([expected[s][0]] * 4, abs=1e-5), (peer.name, s, values)
+            assert more == pytest.approx([expected[s][1]] * 4, abs=1e-5), (peer.name, s, values)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])

@@ -287,7 +287,13 @@ class DiLoCoConfig(_Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="momentum of the outer SGD step")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step (needs outer_momentum > 0)")
     compression: CompressionName = Field("fp16", description=f"compression of pseudo-gradients: {COMPRESSIONS}")
-    fragments: int = Field(1, ge=1, description="streaming DiLoCo fragments (only 1, the whole model, for now)")
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="streaming DiLoCo: the trainable tensors split into this many fragments of consecutive layers, "
+        "synced in turn every inner_steps / fragments steps (each one every inner_steps): the bytes of one sync drop "
+        "that many fold",
+    )
     overlap: bool = Field(
         False,
         description="sync in the background while the next inner steps run; the outer step is applied when the "
@@ -301,10 +307,11 @@ class DiLoCoConfig(_Section):
     def _consistent(self) -> DiLoCoConfig:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (e.g. 0.9), or set nesterov=False")
-        if self.fragments != 1:
+        if self.inner_steps % self.fragments:
+            example = self.fragments * max(1, self.inner_steps // self.fragments)
             raise ValueError(
-                f"fragments={self.fragments}: streaming DiLoCo (parameters synced in fragments) is not implemented "
-                "yet; set fragments=1 (the whole model at every sync)"
+                f"inner_steps={self.inner_steps} is not a multiple of fragments={self.fragments}: fragments sync in "
+                f"turn every inner_steps / fragments steps (e.g. inner_steps={example})"
             )
         return self
 

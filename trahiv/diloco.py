@@ -27,6 +27,9 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
   swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
   of the samples it trained (fewer than the others' in its first round);
+- [streaming] with `fragments` P, the trainable tensors form P runs of consecutive tensors; a sync point comes every
+  H / P inner steps and averages one fragment in turn (its own averager, pseudo-gradient, outer step and momenta), so
+  each fragment syncs every H steps while one sync carries a P-th of the bytes; `outer_step` counts these syncs;
 - when nobody else is at this outer step, the peer applies its own pseudo-gradient (DiLoCo with one worker);
 - in a moderated swarm, a moderator's revert order (`trahiv revert`, trahiv.revert.DiLoCoRevertFollower) puts every
   peer back at the checkpoint's outer step, outer parameters and momenta, with fresh inner optimizer statistics;
@@ -113,6 +116,25 @@ def outer_digest(tensors: Sequence[torch.Tensor]) -> str:
     for tensor in tensors:
         digest.update(tensor.detach().reshape(-1)[::stride].contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
+
+
+def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
+    """[streaming] Indices of `count` runs of consecutive tensors (a model's layers in order) of about equal size."""
+    if count > len(sizes):
+        raise ValueError(
+            f"diloco.fragments={count}, but the model has only {len(sizes)} trainable tensors: use at most that many "
+            "fragments (each fragment holds whole tensors)"
+        )
+    total, taken, current = sum(sizes), 0, 0
+    fragments: list[list[int]] = [[] for _ in range(count)]
+    for index, size in enumerate(sizes):
+        # the next fragment once this one holds its share, or once the tensors left are one per fragment still empty
+        share_done = taken >= total * (current + 1) / count
+        if fragments[current] and current < count - 1 and (share_done or len(sizes) - index <= count - 1 - current):
+            current += 1
+        fragments[current].append(index)
+        taken += size
+    return fragments
 
 
 # --- the peers' progress ----------------------------------------------------------------------------------------------
@@ -248,8 +270,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.outer_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
             self.momenta = [torch.zeros_like(p) for p in self.outer_params]
             grads = [torch.zeros_like(p) for p in self.outer_params]
+        # [streaming] the tensors of each fragment; a sync point comes every `interval` inner steps and averages
+        # the fragments in turn (fragment k at outer steps k, k + P, ...): each one every H steps
+        self.fragments = split_fragments([p.numel() for p in self.params], self.cfg.fragments)
+        self.interval = self.cfg.inner_steps // self.cfg.fragments
+        self.fragment_samples = [0] * self.cfg.fragments  # samples trained since each fragment's last sync
         self.outer_digest = outer_digest(self.outer_params)  # kept with outer_step (both under self._lock)
-        self.outer_step = self.inner_done = self.samples = self.samples_total = 0
+        self.outer_step = self.inner_done = self.samples_total = 0
         self.resumed = False  # set by load_state_dict: this peer continues a checkpoint of its own (see join)
         # missed: the swarm moved on without this peer; diverged: its outer parameters were not the swarm's
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}
@@ -263,7 +290,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()  # outer state: the averager's state server reads it from another thread
         self._last_step_at: float | None = None
         self.progress_key = f"{self.run_id}_diloco_progress"
-        self.averager = self._make_averager(grads)
+        self.averagers = [
+            self._make_averager([grads[i] for i in indices], fragment)
+            for fragment, indices in enumerate(self.fragments)
+        ]
+        self.averager = self.averagers[0]  # (also serves the whole outer state for download)
         self.averager.state_source = self
         self.revert: Any = None  # [revert] trahiv.revert.DiLoCoRevertFollower in a moderated swarm
         if getattr(swarm, "revert_watcher", None) is not None:
@@ -283,9 +314,19 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     @property
     def global_step(self) -> int:
         """Inner steps in the swarm's timeline (what `state.global_step` and `max_steps` count)."""
-        return self.outer_step * self.cfg.inner_steps + self.inner_done
+        return self.outer_step * self.interval + self.inner_done
 
-    def _make_averager(self, grads: list[torch.Tensor]) -> DiLoCoAverager:
+    @property
+    def fragment(self) -> int:
+        """[streaming] The fragment this outer step's sync averages (0 without fragments)."""
+        return self.outer_step % len(self.fragments)
+
+    @property
+    def samples(self) -> int:
+        """The weight of the next sync's pseudo-gradient: the samples trained since its fragment's last sync."""
+        return self.fragment_samples[self.fragment]
+
+    def _make_averager(self, grads: list[torch.Tensor], fragment: int = 0) -> DiLoCoAverager:
         from trahiv.swarm import request_timeout  # the swarm's own rule for matchmaking requests
 
         opt, swarm = self.config.opt, self.swarm
@@ -294,7 +335,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return cls(
             averaged_tensors=grads,
             dht=swarm.dht,
-            prefix=f"{self.run_id}_diloco",
+            prefix=f"{self.run_id}_diloco" + (f"_f{fragment}" if fragment else ""),
+            allow_state_sharing=fragment == 0,
             progress_key=self.progress_key,
             aggregation=Aggregation(**opt.aggregation.model_dump()),
             compression=make_compression(self.cfg.compression),
@@ -321,16 +363,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             rate = 1.0 / max(now - self._last_step_at, 1e-6)
             self.steps_per_second = rate if self.steps_per_second == 0 else 0.8 * self.steps_per_second + 0.2 * rate
         self.inner_done += 1
-        self.samples += self.batch_size_per_step
+        self.fragment_samples = [n + self.batch_size_per_step for n in self.fragment_samples]
         self.samples_total += self.batch_size_per_step
         synced = False
         if self._pending is not None:
             self.overlapped_steps += 1
             # the average arrived: apply it now; still running at the next sync point (H steps later): wait for it
-            if self._pending.done.is_set() or self.inner_done >= 2 * self.cfg.inner_steps:
+            if self._pending.done.is_set() or self.inner_done >= 2 * self.interval:
                 self.finish_pending_sync()
                 synced = True
-        if self._pending is None and self.inner_done >= self.cfg.inner_steps:
+        if self._pending is None and self.inner_done >= self.interval:
             self.start_sync() if self.cfg.overlap else self.sync()
             synced = True
         if synced:
@@ -394,9 +436,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def start_sync(self) -> None:
         """At the sync point: fill the pseudo-gradients, start averaging them in the background, return at once."""
         self._fill_pseudo_gradients()
-        at_sync = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        at_sync = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in self.fragments[self.fragment]]
         pending = PendingSync(outer_step=self.outer_step, weight=self.samples, at_sync=at_sync)
-        self.samples = 0  # the next round's samples count from here
+        self.fragment_samples[self.fragment] = 0  # the fragment's next pseudo-gradient counts from here
         pending.thread = threading.Thread(target=self._sync_in_background, args=(pending,), name="trahiv-diloco-sync",
                                           daemon=True)  # fmt: skip
         self._pending = pending
@@ -448,10 +490,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _fill_pseudo_gradients(self, at: Sequence[torch.Tensor] | None = None) -> None:
         """pseudo-gradient = outer parameters - local parameters (fp32, CPU; or those of `at`), into the averaged
         buffers."""
-        local = at if at is not None else [p.detach().to("cpu", torch.float32) for p in self.params]
-        with torch.no_grad(), self.averager.get_tensors() as grads:
-            for grad, outer, param in zip(grads, self.outer_params, local, strict=True):
-                grad.copy_(outer).sub_(param)
+        indices = self.fragments[self.fragment]
+        local = at if at is not None else [self.params[i].detach().to("cpu", torch.float32) for i in indices]
+        with torch.no_grad(), self.averagers[self.fragment].get_tensors() as grads:
+            for grad, i, param in zip(grads, indices, local, strict=True):
+                grad.copy_(self.outer_params[i]).sub_(param)
 
     def _others(self) -> dict[str, PeerProgress]:
         """The other peers' fresh progress records (also kept in `self.peers`)."""
@@ -526,53 +569,57 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if not ready:
             self.syncs["alone"] += 1
             return "alone"
-        self.averager.set_group_bits(group_bits(self.outer_step, self.outer_digest))
+        averager = self.averagers[self.fragment]
+        averager.set_group_bits(group_bits(self.outer_step, self.outer_digest))
         # a group that holds every peer at this outer step or one behind (about to catch up: a joiner) assembles at
         # once, not when the declared matchmaking time runs out; one of them missing costs that time, as before
         near = [r.peer for r in peers if self.outer_step - 1 <= r.outer_step <= self.outer_step]
-        self.averager.expect_peers(PeerID.from_base58(peer).to_bytes() for peer in (self.swarm.peer_id, *near))
+        averager.expect_peers(PeerID.from_base58(peer).to_bytes() for peer in (self.swarm.peer_id, *near))
         opt = self.config.opt
         # the peers that are ready look for a group within a poll period of each other: a few matchmaking windows
         # bound the search (a peer killed at its sync point costs that); the all-reduce has its own deadlines
         search = min(opt.averaging_timeout, 3 * opt.matchmaking_time)
         try:
-            self.averager.step(weight=float(max(weight, 1)), timeout=search)
+            averager.step(weight=float(max(weight, 1)), timeout=search)
         except Exception as e:  # the round's report (if it started) says more; values kept local where not averaged
             logger.warning(f"Outer step {self.outer_step}: averaging pseudo-gradients failed ({e!r})")
             self.syncs["failed"] += 1
             return "failed"
         finally:
-            self.averager.round_reports()
+            averager.round_reports()
         self.syncs["averaged"] += 1
         return "averaged"
 
     def _apply_outer_step(self, at_sync: Sequence[torch.Tensor] | None = None) -> None:
         """Take the outer step with the averaged pseudo-gradients; copy it into the model, or (overlap: `at_sync`, the
-        local parameters at the sync point) move the model onto it keeping the inner steps made since."""
-        cfg = self.cfg
-        with torch.no_grad(), self._lock, self.averager.get_tensors() as grads:
-            outer_sgd_step_(self.outer_params, grads, self.momenta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        local parameters at the sync point) move the model onto it keeping the inner steps made since. [streaming]
+        Only the fragment of this sync: its outer parameters and momenta, and its tensors in the model."""
+        cfg, fragment = self.cfg, self.fragment
+        indices = self.fragments[fragment]
+        outer, momenta = [self.outer_params[i] for i in indices], [self.momenta[i] for i in indices]
+        with torch.no_grad(), self._lock, self.averagers[fragment].get_tensors() as grads:
+            outer_sgd_step_(outer, grads, momenta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
             self.outer_step += 1
             self.outer_digest = outer_digest(self.outer_params)
             if at_sync is None:
-                self.inner_done = self.samples = 0
-                self._copy_outer_to_model()
+                self.inner_done = self.fragment_samples[fragment] = 0
+                self._copy_outer_to_model(indices)
             else:
-                self.inner_done -= cfg.inner_steps
-                for param, outer, before in zip(self.params, self.outer_params, at_sync, strict=True):
-                    moved = param.detach().to("cpu", torch.float32) - before
-                    param.copy_(outer + moved)
+                self.inner_done -= self.interval
+                for i, before in zip(indices, at_sync, strict=True):
+                    moved = self.params[i].detach().to("cpu", torch.float32) - before
+                    self.params[i].copy_(self.outer_params[i] + moved)
         self.averager.state_sharing_priority = float(self.outer_step)
 
-    def _copy_outer_to_model(self) -> None:
+    def _copy_outer_to_model(self, indices: Sequence[int] | None = None) -> None:
         with torch.no_grad():
-            for param, outer in zip(self.params, self.outer_params, strict=True):
-                param.copy_(outer)
+            for i in range(len(self.params)) if indices is None else indices:
+                self.params[i].copy_(self.outer_params[i])
 
     def outer_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
         with self._lock:
             tensors = [t.clone() for t in (*self.outer_params, *self.momenta)]
-            return {"epoch": self.outer_step, "inner_steps": self.cfg.inner_steps}, tensors, None
+            return {"epoch": self.outer_step, "inner_steps": self.interval}, tensors, None
 
     # --- joining -------------------------------------------------------------------------------------------------
 
@@ -582,7 +629,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         others = self._others()
         if not others:
             return False
-        me = PeerProgress(self.swarm.peer_id, self.outer_step, 0, self.cfg.inner_steps, 0, 0.0, 0.0, self.started)
+        me = PeerProgress(self.swarm.peer_id, self.outer_step, 0, self.interval, 0, 0.0, 0.0, self.started)
         leader = min([me, *others.values()], key=lambda r: (-r.outer_step, r.started, r.peer))
         if leader.peer == me.peer:
             return False
@@ -631,8 +678,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.outer_step = int(metadata["epoch"])
             self.outer_digest = outer_digest(self.outer_params)
             same = [r.inner_done for r in self._others().values() if r.outer_step == self.outer_step]
-            self.inner_done = min(max(same, default=0), self.cfg.inner_steps - 1) if follow_inner else 0
-            self.samples = 0
+            self.inner_done = min(max(same, default=0), self.interval - 1) if follow_inner else 0
+            self.fragment_samples = [0] * len(self.fragments)
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
@@ -665,7 +712,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._lock:
             for target, source in zip((*self.outer_params, *self.momenta), tensors, strict=True):
                 target.copy_(source)
-            self.outer_step, self.inner_done, self.samples = int(metadata["epoch"]), 0, 0
+            self.outer_step, self.inner_done = int(metadata["epoch"]), 0
+            self.fragment_samples = [0] * len(self.fragments)
             self.outer_digest = outer_digest(self.outer_params)
             self.inner.state.clear()  # (the same dict as self.state) fresh statistics, as at the run's start
             self._copy_outer_to_model()
@@ -674,7 +722,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def resume_at(self, global_step: int) -> None:
         """A checkpoint of this trainer was loaded: continue the step count from it."""
-        self.outer_step, self.inner_done = divmod(global_step, self.cfg.inner_steps)
+        self.outer_step, self.inner_done = divmod(global_step, self.interval)
 
     # --- progress records -------------------------------------------------------------------------------------------
 
@@ -686,7 +734,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "outer_step": outer_step,
             "outer_digest": digest,
             "inner_done": self.inner_done,
-            "inner_steps": self.cfg.inner_steps,
+            "inner_steps": self.interval,  # (between two sync points: H / fragments)
             # (the weight caps read it: with a sync in flight, the samples of its pseudo-gradient)
             "samples_accumulated": self._pending.weight if self._pending is not None else self.samples,
             "samples_per_second": self.steps_per_second * self.batch_size_per_step,
@@ -695,7 +743,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "started": self.started,
             "revert_id": self.revert.applied_id if self.revert is not None else 0,
             "syncing": self._pending is not None,
-            **total_traffic([self.averager]),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
+            **total_traffic(self.averagers),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
     def _publish(self, wait: bool = False) -> None:
@@ -718,8 +766,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # --- metrics, checkpoints, leaving -------------------------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        self.averager.round_reports()
-        rounds = {f"averaging_rounds_{status}": n for status, n in self.averager.round_counts.items()}
+        rounds: dict[str, int] = {}
+        for averager in self.averagers:  # (one per fragment)
+            averager.round_reports()
+            for status, n in averager.round_counts.items():
+                rounds[f"averaging_rounds_{status}"] = rounds.get(f"averaging_rounds_{status}", 0) + n
         return {
             "outer_step": self.outer_step,
             "swarm_peers": 1 + len(self.peers),
@@ -729,7 +780,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "diloco_sync_wait_s": round(self.sync_wait_s, 3),
             "diloco_overlapped_steps": self.overlapped_steps,
             **rounds,
-            **total_traffic([self.averager]),
+            **total_traffic(self.averagers),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -742,6 +793,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "outer_params": [t.clone() for t in self.outer_params],
                 "momenta": [t.clone() for t in self.momenta],
                 "samples": self.samples,
+                "fragment_samples": list(self.fragment_samples),
                 "samples_total": self.samples_total,
             }
         return state
@@ -759,7 +811,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer_step, self.inner_done = int(saved["outer_step"]), int(saved["inner_done"])
                 self.outer_digest = outer_digest(self.outer_params)
                 # the pseudo-gradient's weight counts the samples of this round from before the restart too
-                self.samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
+                samples = int(saved.get("samples", self.inner_done * self.batch_size_per_step))
+                fragment_samples = saved.get("fragment_samples", [samples])
+                if len(fragment_samples) != len(self.fragments):  # saved with another number of fragments
+                    fragment_samples = [samples] * len(self.fragments)
+                self.fragment_samples = [int(n) for n in fragment_samples]
                 self.samples_total = int(saved.get("samples_total", self.samples_total))
                 # (accelerate's optimizer wrapper also round-trips the fresh state through load_state_dict when it
                 # wraps the optimizer: only a state with progress is a checkpoint's)
@@ -776,8 +832,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._publish(wait=True)
         except Exception as e:
             logger.debug(f"Could not publish the last DiLoCo progress: {e!r}")
-        if self.averager.is_alive():
-            self.averager.shutdown()
+        for averager in self.averagers:
+            if averager.is_alive():
+                averager.shutdown()
 
 
 def group_bits(outer_step: int, digest: str) -> str:

@@ -388,7 +388,7 @@ class Swarm:
         """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
         procs = [self.dht]
         if self.diloco is not None:  # [DiLoCo]
-            procs.append(self.diloco.averager)
+            procs += self.diloco.averagers  # (one per fragment)
         if self.optimizer is not None:
             procs += [self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None)]
         return [p for p in procs if p is not None and p.pid is not None]
