@@ -289,7 +289,9 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir, o
     b = start_diloco_peer(tmp_path, "b", opt={"min_peers": 2}, **common)
     peers = [a, b]
     try:
-        a.ready(), b.ready()  # c starts once they train (its start-up takes seconds: it joins a few syncs later)
+        a.ready(), b.ready()
+        # c starts once they took their first outer step (a joiner at outer step 0 starts with them, from inner step 0)
+        wait_for(lambda: max(syncs(a), default=0) >= 1, 90, "a's first sync")
         c = start_diloco_peer(tmp_path, "c", **common)
         peers.append(c)
         dones = [peer.finish(timeout=150) for peer in peers]
@@ -381,7 +383,9 @@ def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
     assert sorted(done["syncs"]["diverged"] for done in dones) == [0, 1], dones
     for done in dones:
         assert done["global_step"] == 12 and done["outer_step"] == 4, done
-        assert done["syncs"]["averaged"] >= 3 and done["syncs"]["failed"] == 0, done  # the syncs after the download
+        # (how many syncs the two then average together depends on how long the download took: the other peer, at
+        # its sync point meanwhile, syncs alone rather than with outer parameters not its own)
+        assert done["syncs"]["failed"] == 0 and done["syncs"]["averaged"] + done["syncs"]["alone"] >= 1, done
         assert done["metrics"]["averaging_rounds_partial"] == 0 == done["metrics"]["averaging_rounds_failed"], done
     final_a, final_b = (torch.load(peer.out / "final.pt") for peer in peers)
     adapters = [name for name in final_a if "lora_" in name]

@@ -86,6 +86,7 @@ ETA_SLACK = 2.0  # a sync waits for a slower peer up to 2x the time its reported
 MIN_WAIT = 5.0  # seconds added to every wait (busy CPUs: a step can take a few times the average)
 UNKNOWN_RATE_WAIT = 60.0  # seconds a sync waits for a peer that has not measured its speed yet
 POLL_PERIOD = 0.2  # seconds between two reads of the peers' progress while waiting
+ADOPT_TRIES = 3  # downloads of the outer state, at most, while the swarm keeps reaching its sync point meanwhile
 DIGEST_VALUES = 1 << 22  # values an outer state's digest hashes at most (every k-th one beyond: about 16 MB)
 
 
@@ -243,6 +244,7 @@ class PendingSync:
     thread: threading.Thread | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     outcome: str | None = None
+    joined: bool = False  # a joiner's: the swarm's sync it arrived during (its result is downloaded, not averaged)
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -470,7 +472,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if not pending.done.wait(bound):
             raise RuntimeError(f"DiLoCo: the sync of outer step {pending.outer_step} did not end within {bound:.0f} s")
         self._pending = None
-        if pending.outcome == "behind" and self._adopt_after_a_missed_sync():
+        if pending.joined:  # a joiner that arrived during the swarm's sync: its result, downloaded
+            logger.info(f"The swarm's sync of outer step {pending.outer_step}, which began before this peer joined, "
+                        "ended: downloading its result")  # fmt: skip
+            if not self._adopt_swarm_state(wait=False):
+                logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
+                self._fill_pseudo_gradients(at=pending.at_sync)
+                self._apply_outer_step(at_sync=pending.at_sync)
+        elif pending.outcome == "behind" and self._adopt_after_a_missed_sync():
             # the inner steps made since the sync point are dropped with the pseudo-gradient (their outer state is
             # not the swarm's); the peer carries on from the swarm's inner step
             pass
@@ -642,7 +651,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
         # peers that start a run together (min_peers) each make the first outer step's H inner steps: a peer that
         # started a moment earlier waits for the others at its sync point instead of shortening their first round
-        if self._adopt_swarm_state(prefer=leader.peer, follow_inner=leader.outer_step > 0):
+        if self._adopt_swarm_state(prefer=leader.peer, follow_inner=leader.outer_step > 0, joining=True):
             return True
         logger.warning(
             "Could not download the swarm's outer state: starting from this peer's own parameters (if they are not "
@@ -658,15 +667,32 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             time.sleep(POLL_PERIOD)
         return len(self.peers)
 
-    def _adopt_swarm_state(self, prefer: str | None = None, follow_inner: bool = True) -> bool:
+    def _adopt_swarm_state(
+        self, prefer: str | None = None, follow_inner: bool = True, joining: bool = False, wait: bool = True
+    ) -> bool:
         """Download outer parameters, momentum and step; start from the swarm's inner step at that outer step.
 
         If the peers at that outer step are already at their sync point (averaging now), wait for the outer step they
         are about to take and download again: starting one inner step before a sync whose group has already formed,
         this peer would fail that sync, fall behind while it searched, download again at the next sync point, and so
-        on (seen under load: a joiner missed 3 of 5 syncs that way)."""
+        on (seen under load: a joiner missed 3 of 5 syncs that way).
+
+        [overlap] A joiner that finds the swarm syncing the outer step it loaded in the background does not wait: with
+        short inner steps the swarm is syncing almost all the time, and a joiner that waited and downloaded again found
+        it at its next sync every time (it missed 4 syncs in a row). It trains on as if it were syncing that step too
+        (its record says so: the others wait for it at their next sync point), and downloads the result once the swarm
+        publishes it (`PendingSync.joined`); then it takes the swarm's inner step without waiting again (`wait` False):
+        the others wait for it at their sync point, as its record said it was syncing the step before."""
         loaded = self._download(prefer)
-        if loaded is not None and follow_inner and self._wait_until_swarm_passes(int(loaded[0]["epoch"])):
+        in_flight = False
+        for _ in range(ADOPT_TRIES):  # (a few times: the swarm may be at its next sync point when a download ends)
+            if loaded is None or not follow_inner or not wait:
+                break
+            if joining and self.cfg.overlap and self._swarm_at_sync_point(int(loaded[0]["epoch"])):
+                in_flight = True
+                break
+            if not self._wait_until_swarm_passes(int(loaded[0]["epoch"])):
+                break
             loaded = self._download(None) or loaded  # the highest outer step served
         if loaded is None:
             return False
@@ -678,11 +704,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.outer_step = int(metadata["epoch"])
             self.outer_digest = outer_digest(self.outer_params)
             same = [r.inner_done for r in self._others().values() if r.outer_step == self.outer_step]
-            self.inner_done = min(max(same, default=0), self.interval - 1) if follow_inner else 0
+            if in_flight:  # at the others' inner step, past the sync point, as a peer syncing in the background
+                self.inner_done = min(max(same, default=self.interval), 2 * self.interval - 1)
+            else:
+                self.inner_done = min(max(same, default=0), self.interval - 1) if follow_inner else 0
             self.fragment_samples = [0] * len(self.fragments)
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
+        if in_flight:
+            self._follow_sync_in_flight()
         # at once: the peers at that outer step expect this one in their next group only once they see it there (its
         # record said the outer step it left: a joiner's first group once assembled without it, and it failed its sync)
         self._publish()
@@ -693,10 +724,38 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         loaded = self.averager.load_state_from(prefer, timeout) if prefer is not None else None
         return loaded if loaded is not None else self.averager.load_state_from_peers(timeout=timeout)
 
+    def _swarm_at_sync_point(self, outer_step: int) -> bool:
+        at_step = [r for r in self._others().values() if r.outer_step == outer_step]
+        return any(r.inner_done >= r.inner_steps or r.syncing for r in at_step)  # ([overlap] syncing: in flight)
+
+    def _follow_sync_in_flight(self) -> None:
+        """[overlap] A joiner: follow the swarm's sync of this outer step, which began before it arrived (see
+        `_adopt_swarm_state`): a pending sync that contributes nothing and ends when the swarm moves past it."""
+        at_sync = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in self.fragments[self.fragment]]
+        pending = PendingSync(outer_step=self.outer_step, weight=0, at_sync=at_sync, joined=True)
+        pending.thread = threading.Thread(target=self._await_swarm_past, args=(pending,), name="trahiv-diloco-sync",
+                                          daemon=True)  # fmt: skip
+        self._pending = pending
+        pending.thread.start()
+
+    def _await_swarm_past(self, pending: PendingSync) -> None:
+        deadline = time.monotonic() + self.cfg.max_sync_wait + self.config.opt.averaging_timeout
+        try:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if any(r.outer_step > pending.outer_step for r in self._others().values()):
+                    break
+                time.sleep(POLL_PERIOD)
+        except Exception as e:  # (the DHT shut down under it)
+            logger.debug(f"Outer step {pending.outer_step}: stopped following the swarm's sync ({e!r})")
+        finally:
+            pending.outcome = "behind"
+            pending.done.set()
+
     def _wait_until_swarm_passes(self, outer_step: int) -> bool:
-        """If peers at `outer_step` are at their sync point, wait (at most a round's timeout) until one of them
-        publishes a later outer step; True if it did (a newer outer state is then served)."""
-        if not any(r.outer_step == outer_step and r.inner_done >= r.inner_steps for r in self._others().values()):
+        """If peers at `outer_step` are at their sync point (or, with overlap, syncing it in the background), wait (at
+        most a round's timeout) until one of them publishes a later outer step; True if it did (a newer outer state
+        is then served)."""
+        if not self._swarm_at_sync_point(outer_step):
             return False
         logger.info(f"The swarm is averaging outer step {outer_step}: waiting for its result before joining")
         deadline = time.monotonic() + self.config.opt.averaging_timeout + self.config.opt.matchmaking_time
