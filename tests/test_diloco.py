@@ -177,13 +177,17 @@ def test_config_rejects_unknown_keys_and_clashes():
 # --- real peers -------------------------------------------------------------------------------------------------------
 
 
-def expected_toy_values(pseudo_gradient: float, rounds: int, lr=0.7, mu=0.9) -> list[float]:
+def nesterov_values(pseudo_gradients: list[float], lr=0.7, mu=0.9) -> list[float]:
     w, m, values = 0.0, 0.0, []
-    for _ in range(rounds):
-        m = mu * m + pseudo_gradient
-        w -= lr * (pseudo_gradient + mu * m)
+    for g in pseudo_gradients:
+        m = mu * m + g
+        w -= lr * (g + mu * m)
         values.append(w)
     return values
+
+
+def expected_toy_values(pseudo_gradient: float, rounds: int, lr=0.7, mu=0.9) -> list[float]:
+    return nesterov_values([pseudo_gradient] * rounds, lr, mu)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
@@ -232,15 +236,6 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
     assert outer[-1] == (9, 3.0) and [v for _, v in outer] == sorted(v for _, v in outer), outer
     sent = [e.value for e in events.Scalars("train/averaging_bytes_sent")]
     assert sent[-1] == dones[0]["metrics"]["averaging_bytes_sent"] > 0 and sent == sorted(sent), sent
-
-
-def nesterov_values(pseudo_gradients: list[float], lr=0.7, mu=0.9) -> list[float]:
-    w, m, values = 0.0, 0.0, []
-    for g in pseudo_gradients:
-        m = mu * m + g
-        w -= lr * (g + mu * m)
-        values.append(w)
-    return values
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
