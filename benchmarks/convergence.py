@@ -12,8 +12,10 @@ hivemind's target_batch_size is a minimum: peers keep computing until they see t
 real samples per step (reported) exceed the global batch, by far when local steps are short against the progress
 reports' latency (here ~0.1 s steps on 2 shared cores: ~3.5x). The JSON reports them per collaborative step.
 
-Data: the demo's blocks (trahiv.demo.prepare_workdir). The last stretch of the text is held out: its blocks, and
-every half-shifted block overlapping it, are never trained on. Each trahiv peer shuffles the training blocks in its
+Data (--corpus demo, the default): the demo's blocks (trahiv.demo.prepare_workdir), 67 for training: 30 steps of 32
+samples read each about 14 times. --corpus stdlib: 20,000 blocks of the Python standard library's source, none
+read twice (prepare_stdlib_workdir). Demo: the last stretch of the text is held out: its blocks, and every
+half-shifted block overlapping it, are never trained on. Each trahiv peer shuffles the training blocks in its
 own order (seeded by its identity); the single process sees the same number of samples in one order. Last partial
 batches are dropped in both, so every optimizer step sees exactly the global batch. The baseline is also run with
 --baseline-seeds data orders, to show how much the final loss moves with the data order alone (the noise floor).
@@ -57,6 +59,44 @@ def split_blocks(workdir: Path, held_out: int = HELD_OUT) -> tuple[int, int]:
     # shifted block j covers [j + 1/2, j + 3/2) blocks of text: it overlaps the evaluation text iff j + 1 >= first_eval
     train = torch.cat([blocks[:first_eval], shifted[: first_eval - 1]])
     evaluation = torch.cat([blocks[first_eval:contiguous], shifted[first_eval:]])
+    torch.save(train, workdir / "train.pt")
+    torch.save(evaluation, workdir / "eval.pt")
+    return len(train), len(evaluation)
+
+
+def prepare_stdlib_workdir(
+    workdir: Path, seed: int, train_blocks: int = 20_000, eval_blocks: int = 64
+) -> tuple[int, int]:
+    """A corpus that is not repeated: the demo's text gives 67 training blocks, so 100 steps of 8 samples are 12 epochs
+    and the eval loss at the end measures overfitting more than training. This one is the Python standard library's
+    own source (on every machine that runs this, nothing downloaded), files in sorted order: every 10th file is
+    held out for evaluation (`eval_blocks` blocks taken evenly from them), the others give `train_blocks` blocks of
+    BLOCK_SIZE tokens. Tokenizer (trained on the training files) and tiny GPT-2 as trahiv.demo's; writes model/,
+    tokenizer/, train.pt, eval.pt."""
+    import sysconfig
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from trahiv.demo import BLOCK_SIZE, tiny_gpt2_config, train_tokenizer
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    held, trained = files[::10], [f for i, f in enumerate(files) if i % 10]
+    train_text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in trained)
+    eval_text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in held)
+    tokenizer = train_tokenizer(train_text[:2_000_000])
+    tokenizer.save_pretrained(workdir / "tokenizer")
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer))).save_pretrained(workdir / "model")
+
+    def blocks(text: str, limit: int) -> torch.Tensor:
+        ids = tokenizer(text[: limit * BLOCK_SIZE * 8])["input_ids"]  # (a token is at most a few characters)
+        usable = min(len(ids) // BLOCK_SIZE, limit) * BLOCK_SIZE
+        return torch.tensor(ids[:usable], dtype=torch.long).view(-1, BLOCK_SIZE)
+
+    train = blocks(train_text, train_blocks)
+    evaluation = blocks(eval_text, 4_000)
+    evaluation = evaluation[torch.linspace(0, len(evaluation) - 1, eval_blocks).long()]
     torch.save(train, workdir / "train.pt")
     torch.save(evaluation, workdir / "eval.pt")
     return len(train), len(evaluation)
@@ -179,6 +219,8 @@ def baseline_worker(spec: dict) -> dict:
     recorder = make_recorder({**spec, "local_batch": global_batch}, eval_blocks)
     trainer.add_callback(recorder)
     trainer.train()
+    if spec.get("save_model"):  # (benchmarks/diloco.py --warm-start: every run then starts from this model)
+        trainer.save_model(spec["save_model"])
     return {
         "seed": spec["seed"], "eval_loss": eval_loss(trainer.model, eval_blocks),
         "wall_s": recorder.ended - recorder.started, "steps": trainer.state.global_step,
@@ -326,6 +368,7 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--opt", default="{}", help='extra hivemind_config["opt"] entries for the peers (JSON)')
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", choices=["demo", "stdlib"], default="demo", help="see prepare_stdlib_workdir")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="baseline runs with data orders seed, seed+1...")
     parser.add_argument("--timeout", type=float, default=540, help="seconds for the whole swarm run")
     parser.add_argument("--output", help="also write the JSON there")
@@ -349,8 +392,11 @@ def main() -> None:
     keep = contextlib.nullcontext(args.keep) if args.keep else None
     with keep or tempfile.TemporaryDirectory(prefix="trahiv-convergence-") as tmp_name:
         tmp = Path(tmp_name)
-        prepare_workdir(tmp / "work", seed=args.seed)
-        n_train, n_eval = split_blocks(tmp / "work")
+        if args.corpus == "stdlib":
+            n_train, n_eval = prepare_stdlib_workdir(tmp / "work", seed=args.seed)
+        else:
+            prepare_workdir(tmp / "work", seed=args.seed)
+            n_train, n_eval = split_blocks(tmp / "work")
         spec = {
             "workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
             "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": args.max_grad_norm,
@@ -403,7 +449,7 @@ def main() -> None:
         "benchmark": "convergence",
         "command": " ".join([".venv/bin/python", "benchmarks/convergence.py", *sys.argv[1:]]),
         "model": "demo tiny GPT-2 (2 layers x 128, vocab 512, 0.47M params), blocks of 64 tokens",
-        "train_blocks": n_train, "eval_blocks": n_eval,
+        "corpus": args.corpus, "train_blocks": n_train, "eval_blocks": n_eval,
         "peers": args.peers, "batch_per_peer": args.batch, "local_steps_per_collaborative_step": args.local_steps,
         "global_batch": spec["global_batch"],
         "steps": args.steps, "optimizer": "adamw_torch", "lr": args.lr, "scheduler": args.scheduler,
