@@ -174,7 +174,6 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--overlap", action="store_true", help="DiLoCo runs sync in the background (`overlap`)")
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: fragments synced in turn")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
     parser.add_argument(
         "--corpus",
         choices=["demo", "stdlib"],
@@ -182,6 +181,7 @@ def main() -> None:
         help="demo: 67 training blocks (repeated); stdlib: 20,000 (never repeated)",
     )
     parser.add_argument("--warm-start", type=int, default=0, help="first train N x B for this many steps, alone")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"], help="configs not to run")
     parser.add_argument("--seed", type=int, default=0)
