@@ -102,6 +102,16 @@ def prepare_stdlib_workdir(
     return len(train), len(evaluation)
 
 
+def prepare_data(workdir: Path, corpus: str, seed: int) -> tuple:
+    """--corpus demo (the demo's text, split_blocks) or stdlib (prepare_stdlib_workdir): (train, eval) block counts."""
+    if corpus == "stdlib":
+        return prepare_stdlib_workdir(workdir, seed=seed)
+    from trahiv.demo import prepare_workdir
+
+    prepare_workdir(workdir, seed=seed)
+    return split_blocks(workdir)
+
+
 def eval_loss(model, blocks) -> float:
     import torch
 
@@ -384,19 +394,13 @@ def main() -> None:
             (Path(spec["out"]) / "result.json").write_text(json.dumps(result))
             return
 
-    from trahiv.demo import prepare_workdir
-
     load_before = os.getloadavg()
     procs = Processes()
     cores = os.cpu_count() or 1
     keep = contextlib.nullcontext(args.keep) if args.keep else None
     with keep or tempfile.TemporaryDirectory(prefix="trahiv-convergence-") as tmp_name:
         tmp = Path(tmp_name)
-        if args.corpus == "stdlib":
-            n_train, n_eval = prepare_stdlib_workdir(tmp / "work", seed=args.seed)
-        else:
-            prepare_workdir(tmp / "work", seed=args.seed)
-            n_train, n_eval = split_blocks(tmp / "work")
+        n_train, n_eval = prepare_data(tmp / "work", args.corpus, args.seed)
         spec = {
             "workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
             "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": args.max_grad_norm,

@@ -195,8 +195,6 @@ def main() -> None:
         (Path(spec["out"]) / "result.json").write_text(json.dumps(diloco_worker(spec)))
         return
 
-    from trahiv.demo import prepare_workdir
-
     procs = convergence.Processes()
     cores = os.cpu_count() or 1
     load_before = os.getloadavg()
@@ -204,11 +202,7 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "diloco", "command": " ".join(["benchmarks/diloco.py", *sys.argv[1:]])}
     with keep or tempfile.TemporaryDirectory(prefix="trahiv-diloco-") as tmp_name:
         tmp = Path(tmp_name)
-        if args.corpus == "stdlib":
-            data = convergence.prepare_stdlib_workdir(tmp / "work", seed=args.seed)
-        else:
-            prepare_workdir(tmp / "work", seed=args.seed)
-            data = convergence.split_blocks(tmp / "work")
+        data = convergence.prepare_data(tmp / "work", args.corpus, args.seed)
         spec = {"workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
                 "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": 0.0,
                 "seed": args.seed, "matchmaking_time": args.matchmaking_time, "timeout": args.timeout,
