@@ -204,6 +204,7 @@ def test_intruders_can_neither_store_nor_average_nor_download(swarm):
     assert legit["replayed_store"].startswith("refused"), legit  # the same signed bytes a second time
     assert legit["join"] not in ("PROTOCOL_VIOLATION",) and not legit["join"].startswith("error"), legit
     assert legit["aggregate"] == "BAD_GROUP_ID", legit  # reached the averager: only the group id is wrong
+    assert legit["token_left_s"] > 0, legit  # (the control ran while eve's token was valid)
     assert isinstance(legit["download"], int) and legit["download"] > 0, legit
     assert legit["replayed_join_from_x"] == "PROTOCOL_VIOLATION", legit  # eve's join request, sent by X
     assert legit["reads_intruder_keys"] == [False, False] and legit["reads_own_key"] is True, legit

@@ -38,6 +38,7 @@ class Fault(enum.Enum):
     NONE = "none"
     BREAK_STREAM = "break_stream"  # stop sending to one reducer after its first part, with an error
     STALL = "stall"  # join the group, then never run the all-reduce
+    SERVE_LATE_AND_LEAVE = "serve_late_and_leave"  # serve the parts it reduces 1 s late; leave once its round is over
 
 
 class FaultyRunner(PartialRoundRunner):
@@ -53,9 +54,27 @@ class FaultyRunner(PartialRoundRunner):
             sent += 1
 
 
+class LateServingRunner(PartialRoundRunner):
+    """Serves the last averaged part it reduces for another peer SERVE_DELAY_S late: its own round (every part it
+    needs is in) ends before that part reaches the other peer."""
+
+    async def rpc_aggregate_part(self, stream, context):
+        parts = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        served = 0
+        async for message in super().rpc_aggregate_part(stream, context):
+            served += 1
+            if served == parts:
+                await asyncio.sleep(SERVE_DELAY_S)
+            yield message
+
+
+SERVE_DELAY_S = 1.0
+RUNNERS = {Fault.BREAK_STREAM: FaultyRunner, Fault.SERVE_LATE_AND_LEAVE: LateServingRunner}
+
+
 def faulty_averager(fault: Fault, runner: type[PartialRoundRunner] | None = None) -> type[ReportingAverager]:
     class FaultyAverager(ReportingAverager):
-        runner_cls = runner or (FaultyRunner if fault == Fault.BREAK_STREAM else PartialRoundRunner)
+        runner_cls = runner or RUNNERS.get(fault, PartialRoundRunner)
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
             if fault == Fault.STALL:
@@ -101,6 +120,8 @@ def run_round(
         except Exception as e:
             results[rank] = e
         seconds[rank] = time.monotonic() - started
+        if faults[rank] == Fault.SERVE_LATE_AND_LEAVE:
+            averagers[rank].shutdown()
 
     threads = [threading.Thread(target=step, args=(rank,), daemon=True) for rank in range(len(faults))]
     for thread in threads:
@@ -269,6 +290,22 @@ def test_peer_stalled_in_the_group_costs_seconds_not_the_allreduce_timeout():
             assert stalled in report.local_fallback and stalled in report.missing_senders, report
             assert 0.2 < report.local_fallback[stalled] / report.total_values < 0.5
             assert averagers[rank].round_counts["partial"] == 1
+
+
+def test_a_peer_that_leaves_right_after_its_round_still_serves_the_parts_it_reduced():
+    """A peer's round ends once it holds its own averaged parts; the parts it reduces for the others may still be on
+    their way. A peer shut down right then (Ctrl+C after a step) used to take them with it: its groupmate's round was
+    partial, that share of its values kept local (a late joiner's parameters differed from the leaver's, in CI). The
+    leaving averager now waits for its streams. Here it serves 1 s late and shuts down as soon as its round is over."""
+    with ExitStack() as stack:
+        seconds, results, reports, averagers = run_round(stack, [Fault.SERVE_LATE_AND_LEAVE, Fault.NONE])
+        leaver, stayer = averagers
+        assert isinstance(results[0], dict) and isinstance(results[1], dict), results
+        assert seconds[1] - seconds[0] > SERVE_DELAY_S / 2, seconds  # the leaver's round did end first
+        assert not leaver.is_alive() and leaver.exitcode == 0, leaver.exitcode  # it left by itself, not terminated
+        assert [r.status for r in reports[1]] == ["complete"], reports[1]
+        expected = (torch.cat(local_values(0)) + torch.cat(local_values(1))) / 2
+        assert torch.allclose(tensors_of(stayer), expected, atol=1e-5)
 
 
 def test_delayed_optimizer_step_runs_without_delayed_state_averaging():

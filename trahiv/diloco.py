@@ -25,8 +25,9 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
 - a peer that finds the swarm at a later outer step (it missed a sync: too slow, or its round failed while the others
   moved on) drops its pseudo-gradient (its H steps of work are lost: it was computed against outer parameters the
   swarm no longer has), downloads the outer parameters, momentum and step from a peer, and carries on from the
-  swarm's inner step; a joiner does the same before its first step and contributes from the next sync, with a weight
-  of the samples it trained (fewer than the others' in its first round);
+  swarm's inner step (while it downloads, its record says it is syncing: the others wait for it at their next sync
+  point, as for a sync in the background); a joiner does the same before its first step and contributes from the
+  next sync, with a weight of the samples it trained (fewer than the others' in its first round);
 - [streaming] with `fragments` P, the trainable tensors form P runs of consecutive tensors; a sync point comes every
   H / P inner steps and averages one fragment in turn (its own averager, pseudo-gradient, outer step and momenta), so
   each fragment syncs every H steps while one sync carries a P-th of the bytes; `outer_step` counts these syncs;
@@ -283,6 +284,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # missed: the swarm moved on without this peer; diverged: its outer parameters were not the swarm's
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}
         self._adopt_from: PeerProgress | None = None  # the peer whose outer state a diverged peer downloads
+        self._catching_up = False  # downloading the swarm's outer state after a missed sync (see _adopt_after_...)
         self.sync_wait_s = 0.0  # seconds the inner loop stood still for syncs (waiting for peers, averaging)
         self.overlapped_steps = 0  # [overlap] inner steps computed while a sync ran in the background
         self._pending: PendingSync | None = None  # [overlap] the sync running in the background
@@ -421,7 +423,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 f"({self.inner_done} inner steps) and downloading the swarm's outer parameters"
             )
             self.syncs["missed"] += 1
-        if self._adopt_swarm_state(prefer=source.peer if source is not None else None):
+        # its record says it is syncing this outer step while it downloads: the peers at the next one wait for it at
+        # their sync point, as for a peer whose sync runs in the background (`_coming`). Without that, a download
+        # slower than the others' H inner steps (H = 3, a busy CPU) made it miss every sync after: each time it came
+        # back, they had synced without it (seen in CI: a peer that diverged at the first sync missed the next two)
+        self._catching_up = True
+        try:
+            self._publish(wait=True)
+            adopted = self._adopt_swarm_state(prefer=source.peer if source is not None else None)
+        finally:
+            self._catching_up = False
+        if adopted:
             return True
         logger.warning("Could not download the swarm's outer state: taking an outer step with this peer's own")
         return False
@@ -564,8 +576,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         [overlap] at the one before, training on while its sync of it runs (`syncing`): its record stays there until
         the average arrives, and its outer step follows at its next inner step. (This peer may get here first: a sync
         still running at its own next sync point is finished there and the next one starts at once.) A peer at the
-        one before in a blocking sync is in one that this peer's group finished without it: it will download the
-        outer state, as before."""
+        one before that says `syncing` in a blocking sync missed that one and is downloading its result
+        (`_adopt_after_a_missed_sync`): it comes too. One at the one before without it is in a sync that this peer's
+        group finished without it: it will find that out and download the outer state."""
         if record.outer_step == self.outer_step:
             return record.inner_done < record.inner_steps
         return record.outer_step == self.outer_step - 1 and record.syncing
@@ -691,6 +704,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if joining and self.cfg.overlap and self._swarm_at_sync_point(int(loaded[0]["epoch"])):
                 in_flight = True
                 break
+            if self._catching_up and int(loaded[0]["epoch"]) == self.outer_step + 1:
+                break  # the peers at that outer step wait for this one at their sync point (its record said it comes)
             if not self._wait_until_swarm_passes(int(loaded[0]["epoch"])):
                 break
             loaded = self._download(None) or loaded  # the highest outer step served
@@ -712,6 +727,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._copy_outer_to_model()
         self.averager.state_sharing_priority = float(self.outer_step)
         logger.info(f"Loaded the outer state at outer step {self.outer_step} ({count} tensors)")
+        self._catching_up = False  # (its record now says where it is)
         if in_flight:
             self._follow_sync_in_flight()
         # at once: the peers at that outer step expect this one in their next group only once they see it there (its
@@ -801,7 +817,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "time": get_dht_time(),
             "started": self.started,
             "revert_id": self.revert.applied_id if self.revert is not None else 0,
-            "syncing": self._pending is not None,
+            "syncing": self._pending is not None or self._catching_up,
             **total_traffic(self.averagers),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 

@@ -59,6 +59,7 @@ logger = logging.getLogger("trahiv.averaging")
 _ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("trahiv_round_reported")
 CAPS_FETCH_TIMEOUT_S = 2.0
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
+SERVE_BEFORE_SHUTDOWN_S = 2.0  # a leaving averager lets the parts it reduces reach their senders for this long
 
 __all__ = [
     "AuxiliaryStateAverager",
@@ -441,6 +442,35 @@ class ReportingMixin:
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
         self._report_queue = mp.get_context("fork").SimpleQueue()
         self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
+
+    # --- leaving: the parts this peer reduces reach their senders first ------------------------------------------
+    # A peer's own round ends once it holds every averaged part it asked for; the parts it reduces for the others may
+    # still be on their way (its handler serves them until each sender closes the stream). hivemind 1.1.12's shutdown
+    # stops the process at once, and p2pd resets those streams: a peer leaving on Ctrl+C right after a step left its
+    # groupmate with a partial round for that step (its share of the values kept local; seen in CI as a late joiner
+    # whose parameters differed from the leaver's at the leaver's last step). The averager process counts the
+    # handlers serving parts; `_shutdown` waits for them, for at most SERVE_BEFORE_SHUTDOWN_S.
+
+    _serving = 0  # in the averager process: rpc_aggregate_part handlers still serving averaged parts
+
+    async def rpc_aggregate_part(  # (hivemind reads the message types from these annotations)
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        self._serving += 1
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):  # type: ignore[misc]
+                yield message
+        finally:
+            self._serving -= 1
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(SERVE_BEFORE_SHUTDOWN_S, timeout if timeout is not None else math.inf)
+        while self._serving > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self._serving > 0:
+            logger.warning(f"Leaving with {self._serving} averaged part stream(s) still being served")
+        await super()._shutdown(timeout)  # type: ignore[misc]
 
     def round_reports(self) -> list[RoundReport]:
         """Reports of rounds finished since the last call (in the process that created the averager)."""
