@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -48,9 +49,9 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
         # every process of the dead peer (DHT, p2pd, averagers) goes away within seconds
         b_tree = process_tree(b.ready()["pid"])
         assert len(b_tree) >= 4, f"expected the peer and its engine processes, found {b_tree}"
+        step_at_kill = a.step()
         os.kill(b.process.pid, signal.SIGKILL)
         wait_for(lambda: not alive(b_tree), 10, f"the killed peer's processes {alive(b_tree)} to exit")
-        step_at_kill = a.step()
         a.wait_step(step_at_kill + 2, timeout=90)  # the survivors keep training
 
         # SIGINT: the peer leaves cleanly within 10 s and leaves no process behind
@@ -74,7 +75,26 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
     assert checked, common_steps
     differ = {s: (params_a[s]["checksum"], params_c[s]["checksum"]) for s in checked
               if params_c[s]["checksum"] != pytest.approx(params_a[s]["checksum"], rel=1e-6)}  # fmt: skip
-    assert differ == {}, f"the late peer was out of step at {sorted(differ)} (joined at {start})"
+    # except where the SIGKILL cut a round: b's share of it was kept local by each survivor (partial round, reported),
+    # so their steps differ there, and the joiner downloads the swarm's state to be back in step at the next one. The
+    # kill can cut the round in flight or the next one (b already in its group). (In a clean-clone run the joiner's
+    # first round was over when it got there: it downloaded the state again, jumping 3 steps, and the kill then cut its
+    # first round with the swarm.)
+    cut = partial_steps(c.log()) & {step_at_kill + 1, step_at_kill + 2}
+    assert set(differ) <= cut, f"the late peer was out of step at {sorted(differ)} (joined at {start}; {cut=})"
+    assert max(checked) > max(differ, default=0), "the late peer was not back in step after the kill"
+
+
+def partial_steps(log: str) -> set[int]:
+    """The steps (the step each one led to) whose averaging rounds this peer reported partial."""
+    steps, current = set(), None
+    for line in log.splitlines():
+        found = re.search(r"Beginning optimizer step #(\d+)", line)
+        if found:
+            current = int(found.group(1))
+        elif "partial averaging round" in line and current is not None:
+            steps.add(current + 1)
+    return steps
 
 
 def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir):
