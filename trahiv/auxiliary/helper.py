@@ -291,11 +291,6 @@ class AveragingHelper:
             # the progress now, not at the tracker's next fetch (trainers would wait for this peer's share)
             self._next_refresh = time.monotonic() + 2 * TICK
             tracker.refresh_now()
-        if pending and not in_group:
-            # a trainer first seen after the round was scheduled is expected too: a group this peer leads assembled
-            # once the trainers it had seen were in, and left a third one out, which then stepped alone (seen in a
-            # clean-clone run: the first round, led by this peer for three trainers in client mode)
-            self.averager.expect_peers(self._expected_trainers())
         local, swarm = tracker.local_progress.epoch, tracker.global_epoch
         trainers = len(tracker.active_peers)  # (this peer publishes no progress: only trainers are counted)
         can_lead = any(not record.client_mode for record in tracker.active_peers.values())
