@@ -295,8 +295,8 @@ def test_peer_stalled_in_the_group_costs_seconds_not_the_allreduce_timeout():
 def test_a_peer_that_leaves_right_after_its_round_still_serves_the_parts_it_reduced():
     """A peer's round ends once it holds its own averaged parts; the parts it reduces for the others may still be on
     their way. A peer shut down right then (Ctrl+C after a step) used to take them with it: its groupmate's round was
-    partial, that share of its values kept local (a late joiner's parameters differed from the leaver's, in CI). The
-    leaving averager now waits for its streams. Here it serves 1 s late and shuts down as soon as its round is over."""
+    partial, that share of its values kept local (its parameters then differ from the leaver's). The leaving averager
+    now waits for its streams. Here it serves 1 s late and shuts down as soon as its round is over."""
     with ExitStack() as stack:
         seconds, results, reports, averagers = run_round(stack, [Fault.SERVE_LATE_AND_LEAVE, Fault.NONE])
         leaver, stayer = averagers

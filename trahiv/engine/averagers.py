@@ -447,9 +447,9 @@ class ReportingMixin:
     # A peer's own round ends once it holds every averaged part it asked for; the parts it reduces for the others may
     # still be on their way (its handler serves them until each sender closes the stream). hivemind 1.1.12's shutdown
     # stops the process at once, and p2pd resets those streams: a peer leaving on Ctrl+C right after a step left its
-    # groupmate with a partial round for that step (its share of the values kept local; seen in CI as a late joiner
-    # whose parameters differed from the leaver's at the leaver's last step). The averager process counts the
-    # handlers serving parts; `_shutdown` waits for them, for at most SERVE_BEFORE_SHUTDOWN_S.
+    # groupmate with a partial round for that step (its share of the values kept local, so the two peers' parameters
+    # differ; tests/test_partial_rounds.py shows it). The averager process counts the handlers serving parts;
+    # `_shutdown` waits for them, for at most SERVE_BEFORE_SHUTDOWN_S.
 
     _serving = 0  # in the averager process: rpc_aggregate_part handlers still serving averaged parts
 
