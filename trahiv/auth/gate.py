@@ -33,6 +33,7 @@ logger = logging.getLogger("trahiv.auth")
 __all__ = ["AuthGate"]
 
 MIN_FETCH_PERIOD = 1.0  # seconds between DHT reads for a peer not in the cache (an unknown caller cannot flood the DHT)
+REFRESH_AHEAD_S = 3.0  # a cached token with less than this left is looked up again (its holder renewed it by then)
 WARN_PERIOD = 30.0  # seconds between warnings about the same refused peer
 
 
@@ -46,6 +47,7 @@ class AuthGate:
         self._tokens: dict[PeerID, TokenInfo] = {}
         self._last_fetch = -float("inf")
         self._fetching: asyncio.Future | None = None
+        self._background: asyncio.Future | None = None
         self._warned: dict[tuple[PeerID, str], float] = {}
 
     def cached(self, peer_id: PeerID) -> TokenInfo | None:
@@ -53,13 +55,33 @@ class AuthGate:
         return info if info is not None and info.expires_at > get_dht_time() else None
 
     async def check(self, dht: Any, peer_id: PeerID) -> TokenInfo | None:
-        """The valid token of `peer_id`, or None; reads the DHT at most every MIN_FETCH_PERIOD seconds."""
+        """The valid token of `peer_id`, or None once a DHT read under way or begun after this call did not find one.
+
+        The gate reads the DHT at most every MIN_FETCH_PERIOD seconds (concurrent callers share a read); a caller
+        whose token is not cached waits for the next read rather than being refused on an older one: a peer renews
+        its token before it expires, and the gate, which keeps the newest token it has seen, may still hold the
+        previous one when that expires (the likely cause of a CI failure: an allowlisted peer's join request admitted,
+        its part refused a moment later). Tokens about to expire are looked up again in the background
+        (REFRESH_AHEAD_S), so that their holders do not wait at all."""
         info = self.cached(peer_id)
         if info is not None:
+            if info.expires_at - get_dht_time() < REFRESH_AHEAD_S:
+                self._refresh_in_background(dht)
             return info
-        if time.monotonic() - self._last_fetch >= MIN_FETCH_PERIOD or self._fetching is not None:
-            await self._refresh(dht)
+        asked = time.monotonic()
+        if self._fetching is None:  # (a read under way is shared)
+            while self._last_fetch < asked:  # at most one wait for the rate limit, then a read
+                if (wait := self._last_fetch + MIN_FETCH_PERIOD - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)  # (another caller may start the read meanwhile)
+                else:
+                    await self._refresh(dht)
+        if self._fetching is not None:
+            await asyncio.shield(self._fetching)
         return self.cached(peer_id)
+
+    def _refresh_in_background(self, dht: Any) -> None:
+        if self._fetching is None and time.monotonic() - self._last_fetch >= MIN_FETCH_PERIOD:
+            self._background = asyncio.ensure_future(self._refresh(dht))  # (a reference, so that it is not collected)
 
     async def _refresh(self, dht: Any) -> None:
         if self._fetching is not None:  # one DHT read at a time; concurrent callers share it

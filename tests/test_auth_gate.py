@@ -1,0 +1,109 @@
+"""The auth gate's token cache (trahiv.auth.gate.AuthGate) against a stand-in DHT, on a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from trahiv.auth import gate as gate_module
+from trahiv.auth import keys
+from trahiv.auth.gate import AuthGate
+from trahiv.auth.tokens import peer_id_of, sign_access_token
+
+EXPERIMENT_KEY = keys.generate_private_key()
+START = 1_000_000.0  # the stand-in DHT time when a test begins
+
+
+class StandInDHT:
+    """Answers `get(key, latest=True, return_future=True)` with the tokens it holds; counts the reads."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, bytes] = {}
+        self.reads = 0
+
+    def publish(self, username: str, public_key: bytes, expires_at: float) -> None:
+        token = sign_access_token(keys.private_key_der(EXPERIMENT_KEY), username, public_key, expires_at)
+        self.tokens[peer_id_of(public_key).to_base58()] = token.SerializeToString()
+
+    def get(self, key: str, latest: bool, return_future: bool) -> Any:
+        return self._get()
+
+    async def _get(self) -> ValueWithExpiration:
+        self.reads += 1
+        await asyncio.sleep(0.01)
+        entries = {subkey: ValueWithExpiration(value, START + 1e6) for subkey, value in self.tokens.items()}
+        return ValueWithExpiration(entries, START + 1e6)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [START]
+    monkeypatch.setattr(gate_module, "get_dht_time", lambda: now[0])
+    monkeypatch.setattr(gate_module, "MIN_FETCH_PERIOD", 0.3)
+    return now
+
+
+def peer_key() -> bytes:
+    return keys.public_key_openssh(keys.generate_private_key())
+
+
+def make_gate() -> AuthGate:
+    return AuthGate("gated", keys.public_key_openssh(EXPERIMENT_KEY))
+
+
+def test_a_renewed_token_is_found_when_the_cached_one_expires_right_after_another_read(clock):
+    """The gate holds alice's first token and read the DHT less than MIN_FETCH_PERIOD ago; that token expires: her
+    renewed one is read and she is admitted (the gate used to refuse her until the next read)."""
+    dht, alice, gate = StandInDHT(), peer_key(), make_gate()
+    dht.publish("alice", alice, START + 5)
+
+    async def scenario() -> tuple[Any, Any, float]:
+        first = await gate.check(dht, peer_id_of(alice))
+        dht.publish("alice", alice, START + 100)  # renewed and published; the gate still holds the first token
+        clock[0] = START + 6  # the first token expired, less than MIN_FETCH_PERIOD after the gate's read
+        began = time.monotonic()
+        second = await gate.check(dht, peer_id_of(alice))
+        return first, second, time.monotonic() - began
+
+    first, second, waited = asyncio.run(scenario())
+    assert first is not None and first.expires_at == START + 5
+    assert second is not None and second.username == "alice" and second.expires_at == START + 100
+    assert dht.reads == 2 and waited >= 0.2  # a read of its own, after the rate limit's wait
+
+
+def test_a_token_about_to_expire_is_looked_up_again_without_making_its_holder_wait(clock):
+    dht, alice, gate = StandInDHT(), peer_key(), make_gate()
+    dht.publish("alice", alice, START + 5)
+
+    async def scenario() -> list[Any]:
+        await gate.check(dht, peer_id_of(alice))
+        dht.publish("alice", alice, START + 100)
+        await asyncio.sleep(gate_module.MIN_FETCH_PERIOD)
+        clock[0] = START + 5 - gate_module.REFRESH_AHEAD_S / 2
+        held = await gate.check(dht, peer_id_of(alice))  # answered from the cache; a read starts beside it
+        assert gate._background is not None
+        await gate._background
+        return [held, gate.cached(peer_id_of(alice))]
+
+    held, renewed = asyncio.run(scenario())
+    assert held.expires_at == START + 5 and renewed.expires_at == START + 100 and dht.reads == 2
+
+
+def test_strangers_are_refused_and_share_the_rate_limited_reads(clock):
+    dht, alice, gate = StandInDHT(), peer_key(), make_gate()
+    dht.publish("alice", alice, START + 100)
+
+    async def scenario() -> list[Any]:
+        strangers = [gate.check(dht, peer_id_of(peer_key())) for _ in range(8)]
+        answers = await asyncio.gather(*strangers, gate.check(dht, peer_id_of(alice)))
+        answers.append(await gate.check(dht, peer_id_of(peer_key())))  # right after: waits for the next read
+        return answers
+
+    began = time.monotonic()
+    answers = asyncio.run(scenario())
+    assert answers[:8] == [None] * 8 and answers[8].username == "alice" and answers[9] is None
+    assert dht.reads == 2 and time.monotonic() - began >= 0.3  # nine callers shared one read; the last one waited
