@@ -200,6 +200,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
     z = await dht.replicate_p2p()
     authorizer = FixedTokenAuthorizer(eve.private_key, token)
     results["legit"] = {"dht_store": await try_store(z, target, authorizer, f"{run_id}_eve_legit")}
+    results["legit"]["peer_id"] = z.peer_id.to_base58()
     results["legit"]["replayed_store"] = await replay_store(z, target, authorizer.captured)
     time.sleep(1.5)  # the gate reads the DHT at most once a second
     results["legit"].update(await try_averaging(z, target, run_id, join))

@@ -140,6 +140,13 @@ def stop_all(processes: list[subprocess.Popen], timeout: float = 10) -> None:
             process.wait()
 
 
+def round_events(log: str) -> str:
+    """The lines of a peer's log that tell how its rounds went (shown when a step was lost)."""
+    keys = ("Beginning optimizer step", "without this peer", "Refused", "leaving the averaging", "access token",
+            "partial", "caught", "downloading")  # fmt: skip
+    return "\n".join(line[:240] for line in log.splitlines() if any(k in line for k in keys))[-4000:]
+
+
 def deltas(peer: Peer) -> dict[int, list[float]]:
     """How each collaborative step moved the toy weights: -1 per step when only honest gradients (+1) count."""
     values = {row["step"]: row["values"] for row in peer.records("begin") + peer.records("step")}
@@ -165,7 +172,8 @@ def test_banned_peer_leaves_the_next_rounds_and_others_lose_no_step(swarm):
     for peer in (alice, bob):
         assert peer.finish(timeout=200)["global_step"] == MAX_STEPS
         start = peer.ready()["start_step"]  # a peer that joined late first downloaded the swarm's state
-        assert sorted(peer.params_at()) == list(range(start + 1, MAX_STEPS + 1)), peer.name  # no step lost
+        steps = sorted(peer.params_at())
+        assert steps == list(range(start + 1, MAX_STEPS + 1)), (peer.name, round_events(peer.log()))  # none lost
     influenced = False
     for peer in (alice, bob):
         moved, times = deltas(peer), step_times(peer)
@@ -200,6 +208,8 @@ def test_intruders_can_neither_store_nor_average_nor_download(swarm):
     for phase in ("no_token", "other_key", "expired"):
         assert results[phase] == refused, (phase, results)
     legit = results["legit"]
+    seen = "\n".join(line for line in swarm.peers["alice"].log().splitlines() if legit["peer_id"] in line)
+    legit["alice_on_eve"] = seen[-2000:]  # (the target's view of eve, shown if an assertion below fails)
     assert legit["dht_store"] == [True], legit
     assert legit["replayed_store"].startswith("refused"), legit  # the same signed bytes a second time
     assert legit["join"] not in ("PROTOCOL_VIOLATION",) and not legit["join"].startswith("error"), legit
