@@ -45,7 +45,10 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
         # SIGKILL, once the late peer has taken its first step with the swarm: a kill during the joiner's first round
         # (the step it joined at) left both survivors searching for a group led by the dead peer until the round's
         # timeout, each then stepping alone (clean-clone runs AC and AD); that is a fault of its own, not this one
-        c.wait_step(start + 1, timeout=90)
+        # (its step number alone does not tell: a joiner that got there after the swarm's round for its first step
+        # downloads the state again, and its step moves without a round; clean-clone run H, 2026-11-25: the kill then
+        # cut the swarm's round without the joiner, which failed its own, stepped alone and differed there)
+        wait_for(lambda: c._check_alive() and "Averaged gradients with" in c.log(), 90, "the joiner's first round")
         # every process of the dead peer (DHT, p2pd, averagers) goes away within seconds
         b_tree = process_tree(b.ready()["pid"])
         assert len(b_tree) >= 4, f"expected the peer and its engine processes, found {b_tree}"
@@ -86,13 +89,13 @@ def test_late_join_sigkill_and_sigint(tmp_path, workdir):
 
 
 def partial_steps(log: str) -> set[int]:
-    """The steps (the step each one led to) whose averaging rounds this peer reported partial."""
+    """The steps (the step each one led to) whose averaging rounds this peer reported partial or failed."""
     steps, current = set(), None
     for line in log.splitlines():
         found = re.search(r"Beginning optimizer step #(\d+)", line)
         if found:
             current = int(found.group(1))
-        elif "partial averaging round" in line and current is not None:
+        elif ("partial averaging round" in line or "failed averaging round" in line) and current is not None:
             steps.add(current + 1)
     return steps
 

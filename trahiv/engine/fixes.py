@@ -17,6 +17,12 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    for swarms split into groups of `target_group_size`), even with no target size. trahiv keys matchmaking by the
    collaborative step in those bits (`trahiv.engine.averagers.EpochKeyedMatchmaking`): a retry after a failed round
    would look under another key than its peers'. Bits of trahiv's width are kept when no target size is set.
+6. Join requests that time out: a follower asks each leader it finds at most once per declaration (hivemind's
+   `PotentialLeaders.past_attempts`), also when the leader only answered late: its request timeout (`request_timeout`,
+   1 s with trahiv's 2 s test matchmaking) was a refusal for the whole round. On a busy machine a leader's first
+   answer took 1.3 s once; the leader then assembled its group without that follower, which stepped alone after
+   `averaging_timeout`. A leader that did not answer in time goes back to the queue and is asked again at once, for as
+   long as its declaration stands.
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -32,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("trahiv.averaging")
 
 HIVEMIND_VERSION = "1.1.12"
 EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
@@ -53,6 +61,7 @@ def apply() -> None:
     _fix_quantization()
     _quiet_no_group()
     _keep_epoch_keys()
+    _retry_late_leaders()
     _applied = True
 
 
@@ -285,3 +294,33 @@ def _keep_epoch_keys() -> None:
 
     update_key_on_group_assembled._trahiv_epoch_keys = True  # type: ignore[attr-defined]
     _replace(GroupKeyManager, "update_key_on_group_assembled", update_key_on_group_assembled)
+
+
+# 6. Join requests that time out -------------------------------------------------------------------------------------
+
+
+def _retry_late_leaders() -> None:
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.utils.timed_storage import get_dht_time
+
+    original = Matchmaking._request_join_group
+    if getattr(original, "_trahiv_retry_late_leaders", False):
+        return
+
+    async def _request_join_group(self, leader):  # type: ignore[no-untyped-def]
+        began = time.monotonic()
+        group = await original(self, leader)
+        if group is None and time.monotonic() - began >= self.request_timeout:
+            # no first answer within request_timeout (or a group that did not form after a long wait): not a refusal.
+            # The leader goes back to the queue with the expiration it declared, to be asked again at once while that
+            # declaration stands (an answer takes at least request_timeout to miss: no busy loop)
+            leaders = self.potential_leaders
+            for attempt in [attempt for attempt in leaders.past_attempts if attempt[0] == leader]:
+                leaders.past_attempts.discard(attempt)
+                if attempt[1] > get_dht_time():
+                    leaders.leader_queue.store(leader, attempt[1], attempt[1])
+                    logger.debug(f"Leader {leader} did not answer within {self.request_timeout} s: asking it again")
+        return group
+
+    _request_join_group._trahiv_retry_late_leaders = True  # type: ignore[attr-defined]
+    _replace(Matchmaking, "_request_join_group", _request_join_group)

@@ -326,6 +326,17 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.matchmaking:Matchmaking", "current_followers", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "peer_id", "instance", None),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "target_group_size", "instance", None),
+    # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
+    Internal(
+        "hivemind.averaging.matchmaking:Matchmaking",
+        "_request_join_group",
+        "method",
+        "(self, leader: 'PeerID') -> 'Optional[GroupInfo]'",
+    ),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "request_timeout", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "potential_leaders", "instance", None),
+    Internal("hivemind.averaging.matchmaking:PotentialLeaders", "past_attempts", "instance", None),
+    Internal("hivemind.averaging.matchmaking:PotentialLeaders", "leader_queue", "instance", None),
     # trahiv.engine.dht_stats: the DHT's messages, counted in its clients and at its handlers' registration
     Internal(
         "hivemind.dht.protocol:DHTProtocol",
