@@ -60,9 +60,9 @@ class AuthGate:
         The gate reads the DHT at most every MIN_FETCH_PERIOD seconds (concurrent callers share a read); a caller
         whose token is not cached waits for the next read rather than being refused on an older one: a peer renews
         its token before it expires, and the gate, which keeps the newest token it has seen, may still hold the
-        previous one when that expires (the likely cause of a CI failure: an allowlisted peer's join request admitted,
-        its part refused a moment later). Tokens about to expire are looked up again in the background
-        (REFRESH_AHEAD_S), so that their holders do not wait at all."""
+        previous one when that expires (a peer that renewed right after the gate's first read of its token was refused
+        once, if that first token expired less than MIN_FETCH_PERIOD after another read). Tokens about to expire are
+        looked up again in the background (REFRESH_AHEAD_S), so that their holders do not wait at all."""
         info = self.cached(peer_id)
         if info is not None:
             if info.expires_at - get_dht_time() < REFRESH_AHEAD_S:

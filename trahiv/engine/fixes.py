@@ -18,11 +18,11 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    collaborative step in those bits (`trahiv.engine.averagers.EpochKeyedMatchmaking`): a retry after a failed round
    would look under another key than its peers'. Bits of trahiv's width are kept when no target size is set.
 6. Join requests that time out: a follower asks each leader it finds at most once per declaration (hivemind's
-   `PotentialLeaders.past_attempts`), also when the leader only answered late: its request timeout (`request_timeout`,
-   1 s with trahiv's 2 s test matchmaking) was a refusal for the whole round. On a busy machine a leader's first
-   answer took 1.3 s once; the leader then assembled its group without that follower, which stepped alone after
+   `PotentialLeaders.past_attempts`), also when the leader only answered late: its `request_timeout` (half of
+   `matchmaking_time`, at most 3 s; 1 s in the tests) was a refusal for the whole round. On a busy machine a leader's
+   first answer took 1.3 s once; the leader then assembled its group without that follower, which stepped alone after
    `averaging_timeout`. A leader that did not answer in time goes back to the queue and is asked again at once, for as
-   long as its declaration stands.
+   long as its declaration stands (tested in tests/test_matchmaking.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
