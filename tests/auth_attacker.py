@@ -63,15 +63,21 @@ def code_name(code: int) -> str:
     return str(averaging_pb2.MessageCode.Name(code))
 
 
-async def try_averaging(p2p: P2P, target: PeerID, run_id: str, join: averaging_pb2.JoinRequest) -> dict[str, Any]:
-    """What the target's averagers answer this peer: join (grad averager), aggregate part, download state."""
+async def try_averaging(
+    p2p: P2P, target: PeerID, run_id: str, join: averaging_pb2.JoinRequest, before_each: Any = None
+) -> dict[str, Any]:
+    """What the target's averagers answer this peer: join (grad averager), aggregate part, download state.
+    `before_each()` runs before each of the three calls."""
+    before_each = before_each or (lambda: None)
     result: dict[str, Any] = {}
+    before_each()
     try:
         stream = await _stub(p2p, target, f"{run_id}_grad_averager", "GradientAverager", "rpc_join_group", join)
         message = await asyncio.wait_for(anext(stream), 10)
         result["join"] = code_name(message.code)
     except Exception as e:
         result["join"] = f"error: {e!r}"[:200]
+    before_each()
     for _attempt in range(2):  # a second try after a transport error (a broken pipe was seen once on a loaded machine)
         try:
             part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"x" * 20)
@@ -81,6 +87,7 @@ async def try_averaging(p2p: P2P, target: PeerID, run_id: str, join: averaging_p
             break
         except Exception as e:
             result["aggregate"] = f"error: {e!r}"[:200]
+    before_each()
     try:
         stream = await _stub(
             p2p,
@@ -189,22 +196,28 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     eve.attach(dht)
     eve.close()  # no renewal in the background from here on
-    # one renewal now (published in the DHT like the others): the legit phase runs with a token's whole lifetime
-    # (10 s); a token taken as it was could have half of that left (RENEW_AT), on a loaded machine less than the legit
-    # phase took (CI: the download, its last call, got nothing). The token used below and its expiry are read together
-    # after that: an expiry read while a renewal was under way was the previous token's, and the "expired" phase then
-    # ran with a valid token (clean-clone run C: everything accepted)
-    eve.renew()
-    token = eve.token
-    expires_at = eve.verify(token).expires_at  # (the newest token eve published, too)
     z = await dht.replicate_p2p()
-    authorizer = FixedTokenAuthorizer(eve.private_key, token)
+    authorizer = FixedTokenAuthorizer(eve.private_key, eve.token)
+    expires_at = 0.0
+
+    def renew() -> None:
+        """A fresh token for eve's next call (published in the DHT like the others; the token and its expiry read
+        together after the renewal). Her token lives 10 s: on a loaded machine one call of the legit phase took
+        seconds, and the whole phase, run with the token of its start, outlived it (CI: the part and the download
+        were refused, 2.5-3.5 s after expiry)."""
+        nonlocal expires_at
+        eve.renew()
+        authorizer._local_access_token = eve.token
+        expires_at = eve.verify(eve.token).expires_at
+
+    renew()
     results["legit"] = {"dht_store": await try_store(z, target, authorizer, f"{run_id}_eve_legit")}
     results["legit"]["peer_id"] = z.peer_id.to_base58()
     results["legit"]["replayed_store"] = await replay_store(z, target, authorizer.captured)
     time.sleep(1.5)  # the gate reads the DHT at most once a second
-    results["legit"].update(await try_averaging(z, target, run_id, join))
+    results["legit"].update(await try_averaging(z, target, run_id, join, before_each=renew))
     results["legit"]["token_left_s"] = round(expires_at - time.time(), 2)  # after the download: the token was valid
+    renew()
     results["legit"]["replayed_join_from_x"] = (await try_averaging(x, target, run_id, join))["join"]
     results["legit"]["reads_intruder_keys"] = [
         await read_key(z, target, authorizer, f"{run_id}_intruder_{phase}") for phase in ("no_token", "other_key")

@@ -188,6 +188,7 @@ class Recorder(TrainerCallback):
         opt = self.trainer.swarm.optimizer
         self.epoch_before, self.pre_samples = opt.local_epoch, opt.grad_averager.local_samples_accumulated
         self.batch = opt.pending_batch_size
+        self.began = time.time()  # before this local step's optimizer step (and any averaging round it runs)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.spec.get("sleep_per_step"):
@@ -198,6 +199,7 @@ class Recorder(TrainerCallback):
             "epoch_after": state.global_step,
             "pre_samples": self.pre_samples,
             "batch": self.batch,
+            "began": self.began,
             "t": time.time(),
         }
         self.records.write(json.dumps(line) + "\n")
