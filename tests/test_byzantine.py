@@ -30,14 +30,11 @@ pytestmark = pytest.mark.swarm
 STEPS = 5
 CLIP = {"name": "centered_clip", "tau": 0.02, "n_iters": 30}
 MEAN = {"name": "mean"}
-# the CenteredClip run's cycle, in this order: noise first, so that the steps after it make up for what it moved (at
-# the last step, one step late because the attacker missed the first round, it left the eval loss 15% above the
-# honest swarm's: clean-clone run I); NaN, which moves nothing, last of those tested
 ATTACKS = {
-    "noise": {"attack": "noise", "factor": 1.0},
-    "sign_flip": {"attack": "sign_flip", "factor": 10.0},
     "scale": {"attack": "scale", "factor": 1e3},
     "nan": {"attack": "nan"},
+    "sign_flip": {"attack": "sign_flip", "factor": 10.0},
+    "noise": {"attack": "noise", "factor": 1.0},
 }
 INFLATE_WEIGHT = {"attack": "inflate_weight", "factor": 1e3}  # flipped gradients claiming 1000x their samples
 FORGED_EPOCH = 10**6
