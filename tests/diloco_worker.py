@@ -8,7 +8,8 @@ An unchanged Trainer script with `hivemind_config["diloco"]`. It writes into SPE
 - done.json      at the end: global step, outer step, metrics (rounds, bytes), eval loss with SPEC["eval_blocks"]
 - final.pt       with SPEC["save_final"]: the final named parameters
 With SPEC["byzantine"] = {"attack": ..., "factor": x} the peer corrupts its pseudo-gradients before every all-reduce
-(the attacks of tests/peer_worker.py). SPEC["save_steps"] saves Trainer checkpoints every that many inner steps and
+(the attacks of tests/peer_worker.py). SPEC["revert_delay"] = s: a revert order is applied only s seconds after it
+is first seen. SPEC["save_steps"] saves Trainer checkpoints every that many inner steps and
 SPEC["resume"] resumes from one; both add "state" records (at "save" and at "begin": steps, and sha256 of the outer
 parameters, momenta, model parameters and inner optimizer state).
 """
@@ -93,6 +94,7 @@ class SyncRecorder(TrainerCallback):
                 n: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                 for n, p in named
             },  # fmt: skip
+            "syncs": dict(diloco.syncs),  # how the syncs so far ended (averaged, alone, ...)
             "t": time.time(),
         }
         # the outer parameters (the model's after a sync; with `overlap` the model keeps the inner steps made while
@@ -115,6 +117,24 @@ def digest(tensors) -> str:
     for t in tensors:
         sha.update(t.detach().float().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
+
+
+def delay_revert_orders(seconds: float) -> None:
+    """Apply a revert order only `seconds` after first seeing it (a peer slower to revert than the others)."""
+    from trahiv.revert import DiLoCoRevertFollower
+
+    apply, first_seen = DiLoCoRevertFollower.maybe_apply, {}
+
+    def maybe_apply(self, opt):
+        signed = self.watcher.pending(self.applied_id)
+        if (
+            signed is not None
+            and time.monotonic() - first_seen.setdefault(signed.order.revert_id, time.monotonic()) < seconds
+        ):
+            return False
+        return apply(self, opt)
+
+    DiLoCoRevertFollower.maybe_apply = maybe_apply  # type: ignore[method-assign]
 
 
 def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
@@ -166,6 +186,8 @@ def main(spec_path: str) -> int:
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
     if not spec.get("download_at_start", True):  # as when the download from the peer to start from fails
         DiLoCoOptimizer.join = lambda self: False  # type: ignore[method-assign]
+    if spec.get("revert_delay"):
+        delay_revert_orders(spec["revert_delay"])
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None

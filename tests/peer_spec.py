@@ -82,6 +82,7 @@ class DiLoCoPeerSpec(_Common):
     save_final: bool = False
     report_to: list[str] = []
     download_at_start: bool = True  # False: the peer keeps its own parameters at start (a failed download)
+    revert_delay: float = Field(0.0, ge=0)  # apply a revert order only that many seconds after first seeing it
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

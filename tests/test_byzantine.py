@@ -27,7 +27,7 @@ from swarm_helpers import Peer, start_bootstrap, start_peer
 
 pytestmark = pytest.mark.swarm
 
-STEPS = 5
+STEPS = 7
 CLIP = {"name": "centered_clip", "tau": 0.02, "n_iters": 30}
 MEAN = {"name": "mean"}
 ATTACKS = {
@@ -70,7 +70,7 @@ def run_swarm(tmp: Path, workdir: Path, aggregation: dict, attack: str | None = 
         max_steps=STEPS,
         batch_size=8,
         optim="sgd",
-        lr=1.0,
+        lr=0.5,
         scheduler="constant",
         eval_blocks=32,
         initial_peers=boot.initial_peers,
@@ -148,15 +148,16 @@ def baseline(tmp, workdir) -> SwarmRun:
 
 
 def assert_honest_and_close(run: SwarmRun, baseline: SwarmRun) -> None:
-    """Finite weights, every step taken, and an eval loss close to the honest swarm's. Two honest swarms already differ
-    by up to 7% after STEPS steps of SGD (5.41 and 5.80 from 6.26, measured): the bounds leave room for that, while
-    the attacks they guard against end far away (x1000 gradients with the mean: eval loss ~950; NaN: no number)."""
+    """Finite weights, every step taken, and an eval loss close to the honest swarm's. SGD at lr 0.5 learns steadily
+    here (at lr 1.0 the eval loss jumped up and down by 0.5 from step 4 on, and two honest swarms ended 7% apart):
+    the bounds leave room for the rounds a peer misses, while the attacks they guard against end far away (x1000
+    gradients with the mean: an eval loss in the thousands; NaN: no number)."""
     expected, start = baseline.eval_losses()[0], baseline.done[0]["eval_loss_begin"]
     for peer, done in zip(run.honest, run.done, strict=True):
         checksums = [row["checksum"] for row in peer.records("step")]
         assert checksums and all(math.isfinite(c) for c in checksums), f"{peer.name} held NaN/inf: {checksums}"
         assert done["global_step"] == STEPS
-        assert done["eval_loss"] == pytest.approx(expected, rel=0.12), (done["eval_loss"], expected)
+        assert done["eval_loss"] == pytest.approx(expected, rel=0.06), (done["eval_loss"], expected)
         assert start - done["eval_loss"] > 0.3 * (start - expected), "the honest peers barely learned"
 
 

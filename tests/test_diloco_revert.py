@@ -21,6 +21,7 @@ pytestmark = pytest.mark.swarm
 
 RUN = "diloco_revert"
 H = 4
+REVERT_DELAY = 6.0  # b applies the order that long after it sees it: a reaches its next sync point first
 
 
 def sha256(tensor: torch.Tensor) -> str:  # as tests/diloco_worker.py records the trainable tensors after each sync
@@ -57,7 +58,8 @@ def test_revert_returns_every_diloco_peer_to_the_checkpoints_outer_state(tmp_pat
                                 auth={"server": server.url, "token": tokens["alice"]}, **common))  # fmt: skip
         initial_peers = join_addresses(peers[0])
         peers.append(start_peer(tmp_path, "b", worker="diloco_worker.py", initial_peers=initial_peers,
-                                auth={"server": server.url, "token": tokens["bob"]}, **common))  # fmt: skip
+                                auth={"server": server.url, "token": tokens["bob"]}, revert_delay=REVERT_DELAY,
+                                **common))  # fmt: skip
 
         def reached(step: int) -> bool:
             return all(p._check_alive() and max((r["outer_step"] for r in outer_steps(p)), default=0) >= step
@@ -100,4 +102,7 @@ def test_revert_returns_every_diloco_peer_to_the_checkpoints_outer_state(tmp_pat
         assert after[0]["global_step"] == 2 * H, after[0]  # the Trainer's step (and LR schedule) follows
     assert rows[0][1]["outer_step"] == rows[1][1]["outer_step"] == 3
     assert rows[0][1]["sha256"] == rows[1][1]["sha256"]  # together again after the next sync
+    for peer, after in zip(peers, rows, strict=True):  # ... by averaging: a waited for b, slower to revert
+        averaged = after[1]["syncs"]["averaged"] - after[0]["syncs"]["averaged"]
+        assert averaged == 1 and after[1]["syncs"]["alone"] == after[0]["syncs"]["alone"], (peer.name, after[:2])
     assert "Reverted to outer step 2" in peers[0].log() and "Reverted to outer step 2" in peers[1].log()

@@ -291,6 +291,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.steps_per_second = 0.0
         self.started = get_dht_time()
         self.peers: dict[str, PeerProgress] = {}  # other peers' latest records
+        self.reverting: set[str] = set()  # [revert] peers whose records predate the order this peer applied
         self._lock = threading.Lock()  # outer state: the averager's state server reads it from another thread
         self._last_step_at: float | None = None
         self.progress_key = f"{self.run_id}_diloco_progress"
@@ -532,6 +533,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for r in records
             if r is not None and r.peer != own and (allowed is None or r.peer in allowed or r.revert_id == applied)
         }
+        # ... and the peers that have not applied it yet (an older order in their records): they are about to revert
+        # and come back to this outer step, so a sync point waits for them rather than averaging without them
+        self.reverting = {
+            r.peer
+            for r in records
+            if allowed is not None and r is not None and r.peer != own and r.peer not in self.peers
+            and r.revert_id < applied
+        }  # fmt: skip
         return self.peers
 
     def _swarm_is_ahead(self) -> bool:
@@ -552,11 +561,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if self._adopt_from is not None:
                 return True
             pending = [since_first_seen(r, first_seen) for r in others.values() if self._coming(r)]
-            if not pending:
+            if not pending and not self.reverting:
                 return False
-            if get_dht_time() >= sync_deadline(pending, started, floor, self.cfg.max_sync_wait, self.outer_step):
-                late = ", ".join(f"{r.peer} ({r.inner_done}/{r.inner_steps})" for r in pending)
-                logger.warning(f"Outer step {self.outer_step}: going on without the peers still training: {late}")
+            deadline = sync_deadline(pending, started, floor, self.cfg.max_sync_wait, self.outer_step)
+            if self.reverting:  # [revert] at most until the grace period ends (or max_sync_wait)
+                assert self.revert is not None
+                grace_left = max(self.revert.grace_until - time.monotonic(), 0.0)
+                deadline = max(deadline, min(started + self.cfg.max_sync_wait, get_dht_time() + grace_left))
+            if get_dht_time() >= deadline:
+                late = [f"{r.peer} ({r.inner_done}/{r.inner_steps})" for r in pending]
+                late += [f"{peer} (not reverted yet)" for peer in sorted(self.reverting)]
+                logger.warning(f"Outer step {self.outer_step}: going on without the peers still training: "
+                               f"{', '.join(late)}")  # fmt: skip
                 return False
             time.sleep(POLL_PERIOD)
 

@@ -328,7 +328,9 @@ class DiLoCoRevertFollower(RevertFollower):
     step and digest, and restart from it: outer parameters and momenta as in the checkpoint, the model set to them,
     the round's inner steps dropped, the inner optimizer's statistics reset (they were built along the reverted
     trajectory; the Trainer's LR schedule follows the new step). For `grace` seconds it then sees only the progress of
-    peers that applied the order (peers still at later outer steps would otherwise pull it back)."""
+    peers that applied the order (peers still at later outer steps would otherwise pull it back), and its sync points
+    wait for the peers that have not applied it yet (bounded by the grace period and `max_sync_wait`): a peer that
+    reverted first would otherwise sync alone and run ahead, and the others would download its state."""
 
     def attach(self, opt: Any) -> DiLoCoRevertFollower:  # type: ignore[override]
         opt.revert = self
