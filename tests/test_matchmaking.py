@@ -101,6 +101,8 @@ def test_without_the_fix_the_late_follower_is_left_out():
             results, requests = run_round(stack)
     finally:
         Matchmaking._request_join_group = patched
-    assert requests == 1, requests
+    # (it may ask once more, rejected: on a busy machine it can still be searching when the leader's first declaration
+    # ends, and the leader then assembles or declares anew; clean-clone run M, 2026-11-25)
+    assert requests >= 1, requests
     assert isinstance(results[0], dict) and len(results[0]) == 2, results  # the leader and the prompt follower
     assert not isinstance(results[2], dict), results
