@@ -1,19 +1,28 @@
 """Benchmark 1, one averaging round: N peers average P parameters (LoRA-shaped), each peer its own process.
 
 Prints JSON. Run (as root, for shaped links):
-    .venv/bin/python benchmarks/averaging_round.py --peers 4 --bandwidths 100 50 --rounds 4
+    .venv/bin/python benchmarks/averaging_round.py --peers 4 --bandwidths 100 --engines tcp swarm --rounds 8
+    .venv/bin/python benchmarks/averaging_round.py --peers 4 --bandwidths 100 50 --rounds 4     # bare averagers
     .venv/bin/python benchmarks/averaging_round.py --peers 2 4 --bandwidths 0     # 0 = loopback, no shaping
 
 With a bandwidth B > 0 (root only) every peer runs in its own network namespace, linked by a veth pair to a bridge in
 a hub namespace; `tc ... tbf` shapes each link to B Mbit/s in both directions (no netem). The namespaces are deleted
 on exit, Ctrl+C included. Without root, B > 0 is refused.
 
-For each compression both engines run in the same peers, alternating: `hivemind` (plain DecentralizedAverager, as
-shipped apart from trahiv's numpy-2 decoders) and `trahiv` (trahiv.engine.averagers.ReportingAverager: robust
-reducer, payload-based deadlines, round reports, `--trahiv-part-bytes`). Reported per configuration: median all-reduce
-time (group formed -> tensors updated; matchmaking excluded) against the bound 2 x (N-1)/N x S / B, S = compressed
-payload; whether every round was complete, checked on the values (no value left at its local value) and, for trahiv,
-by its own round reports; the load average.
+Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compressed payload:
+- `swarm`: peers as trahiv.Trainer builds them (trahiv.swarm.Swarm from a HivemindConfig with the Trainer's defaults:
+  DHT, progress tracker, metrics records, a state averager whose parameter rounds come every 5 steps, the gradient
+  averager), training --rounds + 1 collaborative steps of one local batch each with fixed gradients. Gradient and
+  parameter rounds are reported apart: the slowest peer's all-reduce per round (from its own start: the start skew,
+  how far apart the peers began, is in it and reported too), the CPU each role of the peers' process trees used
+  during it (main, this averager, DHT, p2pd, other), and the DHT messages and requests by key. Each step's update is
+  checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
+- `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
+  peer at once from a common start: what the links allow, without libp2p or Python per part.
+- `hivemind` / `trahiv`: bare averagers, alternating round by round in the same peers: plain DecentralizedAverager
+  (as shipped apart from trahiv's numpy-2 decoders) and trahiv.engine.averagers.ReportingAverager (robust reducer,
+  payload-based deadlines, round reports, `--trahiv-part-bytes`); every value checked against the exact mean.
+The machine's load average before and after is in the JSON: a run on a busy machine is not a measurement.
 """
 
 from __future__ import annotations
@@ -21,12 +30,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +141,11 @@ def worker(spec: dict) -> None:
 
     class Timed:
         async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu, roles = time.perf_counter(), time.process_time(), cpu_by_role()
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)  # type: ignore[misc]
-            return {"seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
+            after = cpu_by_role()
+            by_role = {role: round(after.get(role, 0.0) - roles.get(role, 0.0), 3) for role in after}
+            return {"seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu, "by_role": by_role}
 
     class HivemindAverager(Timed, DecentralizedAverager):
         @classmethod
@@ -176,6 +190,175 @@ def worker(spec: dict) -> None:
     dht.shutdown()
 
 
+def swarm_worker(spec: dict) -> None:
+    """A peer as trahiv.Trainer builds it (trahiv.swarm.Swarm from a HivemindConfig with the Trainer's defaults: DHT,
+    progress tracker, metrics records, state averager averaging parameters every 5 steps, the gradient averager),
+    training --rounds + 1 collaborative steps of one local batch per peer with these gradients. SGD with lr 1 from
+    zeros: each step moves the parameters by minus the averaged gradients, checked against the exact mean."""
+    import torch
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    from trahiv.compression import make_compression
+    from trahiv.config import HivemindConfig
+    from trahiv.engine import dht_stats
+    from trahiv.engine.averagers import ReportingMixin
+    from trahiv.swarm import Swarm, join_addresses, model_fingerprint
+
+    dht_stats.install()  # DHT messages and requests by key, per round (before the Swarm forks its DHT)
+
+    torch.set_num_threads(1)
+    rank, peers, name = spec["rank"], spec["peers"], spec["compressions"][0]
+    rounds_file = Path(spec["rounds_file"])
+    original = ReportingMixin._run_allreduce_inplace_
+
+    def dht_counts(dht: Any) -> Counter:
+        return Counter({**dht_stats.dht_message_counts(dht), **dht_stats.dht_request_counts(dht)})
+
+    async def timed(self: Any, tensors: Any, group_info: Any, **kwargs: Any) -> None:  # in an averager process
+        started, roles, wall, counts = time.perf_counter(), cpu_by_role(), time.time(), dht_counts(self.dht)
+        try:
+            await original(self, tensors, group_info, **kwargs)
+        finally:
+            after = cpu_by_role()
+            dht = {k: v for k, v in (dht_counts(self.dht) - counts).items() if k not in ("sent", "received")}
+            row = {"averager": self.prefix, "group": group_info.group_id.hex(), "size": len(group_info.peer_ids),
+                   "key": self._matchmaking.group_key_manager.current_key, "peer": str(self.peer_id)[-6:],
+                   "seconds": time.perf_counter() - started, "start": wall, "end": time.time(), "dht": dht,
+                   "by_role": {k: round(after.get(k, 0.0) - roles.get(k, 0.0), 3) for k in after}}  # fmt: skip
+            with rounds_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    ReportingMixin._run_allreduce_inplace_ = timed  # type: ignore[method-assign]  (before the averagers fork)
+    if os.environ.get("HIVEMIND_LOGLEVEL") == "DEBUG":  # trahiv's DEBUG lines too (its averagers fork below)
+        from trahiv.swarm import show_swarm_events
+
+        show_swarm_events()
+        logging.getLogger("trahiv").setLevel(logging.DEBUG)
+    config = HivemindConfig.model_validate({
+        "dht": {"host_maddrs": [f"/ip4/{spec['host']}/tcp/0"], "initial_peers": spec["initial_peers"],
+                "nat_port_map": False},
+        "opt": {"run_id": "averaging_round", "target_batch_size": peers, "batch_size_per_step": 1, "min_peers": peers,
+                "matchmaking_time": spec["matchmaking_time"], "grad_compression": name,
+                "state_averaging_compression": name, "averager_opts": {"part_size_bytes": spec["part_bytes"]},
+                "average_state_every": spec["average_state_every"]},
+    })  # fmt: skip
+    swarm = Swarm(config, announce=lambda _: None)
+    print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
+    shapes = lora_shapes(spec["params"])
+    gen = torch.Generator().manual_seed(1234)
+    mean = [torch.randn(shape, generator=gen) for shape in shapes]
+    spread = [torch.randn(shape, generator=gen) for shape in shapes]
+    local = [m + (rank - (peers - 1) / 2) * s for m, s in zip(mean, spread, strict=True)]
+    mean_flat, local_flat = torch.cat([t.view(-1) for t in mean]), torch.cat([t.view(-1) for t in local])
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    swarm.check_model(model_fingerprint([(f"p{i}", p) for i, p in enumerate(params)], params))
+    optimizer = swarm.make_optimizer([{"params": params}], lambda g: torch.optim.SGD(g, lr=1.0), None, 1)
+    swarm.mark_ready()
+    swarm.wait_for_peers()
+    swarm.catch_up()
+    offset, spread_flat = rank - (peers - 1) / 2, torch.cat([t.view(-1) for t in spread])
+    checks, batches, deadline = [], 0, time.monotonic() + spec["step_timeout"] * (spec["rounds"] + 2)
+    while optimizer.local_epoch < spec["rounds"] + 1 and time.monotonic() < deadline:
+        time.sleep(spec["compute_s"])  # forward + backward on an accelerator
+        before = torch.cat([p.detach().view(-1) for p in params])
+        for param, grad in zip(params, local, strict=True):
+            param.grad = grad.clone()
+        epoch = optimizer.local_epoch
+        optimizer.step(batch_size=1)
+        batches += 1
+        swarm.publish_model()  # the Trainer's on_step_end: the model record...
+        if optimizer.local_epoch > epoch:
+            swarm.publish_metrics(loss=1.0)  # ... and the metrics record at each collaborative step
+            # moved = the averaged gradients = mean + alpha x spread, alpha = the peers' offsets weighted by their
+            # samples (checked by the driver); the rest is the compression's error
+            moved = before - torch.cat([p.detach().view(-1) for p in params])
+            alpha = float((moved - mean_flat) @ spread_flat / (spread_flat @ spread_flat))
+            checks.append({
+                "step": epoch, "time": round(time.time(), 3), "samples": batches, "offset": offset, "alpha": alpha,
+                "unchanged_fraction": float((moved == local_flat).float().mean()),
+                "relative_error": float((moved - mean_flat - alpha * spread_flat).norm() / mean_flat.norm()),
+            })  # fmt: skip
+            batches = 0
+    reports = {"grad": optimizer.grad_averager, "state": optimizer.state_averager}
+    statuses = {}
+    for kind, averager in reports.items():
+        averager.round_reports()
+        statuses[kind] = [r.status for r in averager.reports]
+    payload = profile_compression(make_compression(name), local, CompressionInfo, deserialize_torch_tensor)
+    print(json.dumps({"rank": rank, "checks": checks, "statuses": statuses, **payload}), flush=True)
+    sys.stdin.readline()  # the others may still be in their last round: leave when the driver says all are done
+    swarm.shutdown()
+
+
+def tcp_worker(spec: dict) -> None:
+    """The network alone: each peer exchanges the bytes of a butterfly all-reduce (2 (N - 1) / N x S each way) over
+    plain TCP, S / N x 2 with each other peer at once, starting at a common time; no libp2p, no Python per part."""
+    import asyncio
+    import socket
+
+    rank, peers, hosts, payload = spec["rank"], spec["peers"], spec["hosts"], spec["payload_bytes"]
+    per_pair = 2 * payload // peers
+    chunk = b"\0" * 2**20
+    times = []
+
+    async def serve() -> Any:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            left = per_pair
+            while left > 0:
+                data = await reader.read(min(left, 2**20))
+                if not data:
+                    break
+                left -= len(data)
+            received.set_result(None) if all_in(1) else None
+            writer.close()
+
+        return await asyncio.start_server(handle, *hosts[rank])
+
+    count = [0]
+
+    def all_in(n: int) -> bool:
+        count[0] += n
+        return count[0] == peers - 1
+
+    async def send(host: str, port: int) -> None:
+        for _ in range(50):  # the others' servers may not be up yet
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await asyncio.sleep(max(0.0, start_at[0] - time.time()))
+        left = per_pair
+        while left > 0:
+            writer.write(chunk[: min(left, len(chunk))])
+            left -= min(left, len(chunk))
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    async def run() -> None:
+        nonlocal received
+        server = await serve()
+        if rank == 0:  # (the driver reads the first peer's addresses)
+            print(json.dumps({"maddrs": []}), flush=True)
+        for index in range(spec["rounds"] + 1):
+            received = asyncio.get_running_loop().create_future()
+            count[0] = 0
+            start_at[0] = float(sys.stdin.readline())  # a common start, from the driver
+            await asyncio.gather(*(send(*h) for i, h in enumerate(hosts) if i != rank))
+            await received
+            if index > 0:
+                times.append(time.time() - start_at[0])
+            print(json.dumps({"done": index}), flush=True)
+        server.close()
+
+    received: Any = None
+    start_at = [0.0]
+    asyncio.run(run())
+    print(json.dumps({"rank": rank, "seconds": times}), flush=True)
+
+
 def hivemind_compression(name: str) -> Any:
     """hivemind's own codecs (decoded with trahiv's numpy-2 decoders, without which 8-bit fails under numpy 2)."""
     from hivemind import compression as hc
@@ -190,6 +373,30 @@ def hivemind_compression(name: str) -> Any:
             SIZE_ADAPTIVE_THRESHOLD, less=hc.Float16Compression(), greater_equal=hc.Uniform8BitQuantization()
         ),
     }[name]()  # fmt: skip
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this peer's processes by role (called in an averager process: its parent is the peer):
+    main, this averager, the DHT (p2pd's parent), p2pd, other (the peer's other averagers, torch's shm manager)."""
+    import psutil
+
+    me = psutil.Process()
+    root = me.parent()
+    procs = [root, *root.children(recursive=True)]
+    daemons = {p.pid: p.ppid() for p in procs if p.name().startswith("p2pd")}
+    totals: dict[str, float] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            role = (
+                "this_averager" if proc.pid == me.pid
+                else "main" if proc.pid == root.pid
+                else "p2pd" if proc.pid in daemons
+                else "dht" if proc.pid in daemons.values()
+                else "other"
+            )  # fmt: skip
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
 
 
 def peer_cpu_seconds() -> float:
@@ -221,7 +428,8 @@ def run_round(averager: Any, local: list, local_flat: Any, mean_flat: Any, timeo
         flat = torch.cat([t.view(-1) for t in tensors])
     round_ = {
         "seconds": out["seconds"] if out else None,
-        "cpu_s": out["cpu_s"] if out else None,  # CPU time of this peer's averager process (all its threads)
+        "cpu_s": out["cpu_s"] if out else None,
+        "by_role": out.get("by_role") if out else None,  # CPU time of this peer's averager process (all its threads)
         "peer_cpu_s": cpu,  # CPU time of every process of this peer (averagers, DHT, p2pd), matchmaking included
         "error": error,
         "unchanged_fraction": float((flat == local_flat).float().mean()),
@@ -252,33 +460,165 @@ def profile_compression(compression: Any, tensors: list, info_cls: Any, extract:
 
 
 def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
+    """The engines' bare averagers (alternating), then trahiv's swarm peers (one compression after the other)."""
+    rows = []
+    if [e for e in args.engines if e not in ("swarm", "tcp")]:
+        rows += run_averagers(args, peers, mbit)
+    for name in args.compressions:
+        if "tcp" in args.engines:
+            rows += run_tcp(args, peers, mbit, name)
+        if "swarm" in args.engines:
+            rows += run_swarm_peers(args, peers, mbit, name)
+    return rows
+
+
+def launch(args: argparse.Namespace, namespaces: Namespaces | None, peers: int, spec: dict) -> list[subprocess.Popen]:
+    """Start the peers, each with `spec` + its rank, host and the first peer's addresses as initial peers."""
+    procs: list[subprocess.Popen] = []
+    initial: list[str] = []
+    for rank in range(peers):
+        host = namespaces.ip(rank) if namespaces else "127.0.0.1"
+        cmd = [sys.executable, __file__, "--worker", json.dumps({**spec, "rank": rank, "host": host,
+                                                                  "initial_peers": initial})]  # fmt: skip
+        prefix = namespaces.wrap(rank) if namespaces else []
+        procs.append(subprocess.Popen(prefix + cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      start_new_session=True, cwd=ROOT))  # fmt: skip
+        if rank == 0:
+            initial = json.loads(procs[0].stdout.readline() if procs[0].stdout else "")["maddrs"]
+    return procs
+
+
+def run_tcp(args: argparse.Namespace, peers: int, mbit: float, name: str) -> list[dict]:
+    """The same bytes over plain TCP between the same namespaces: what the links allow (see tcp_worker)."""
+    namespaces = Namespaces(peers) if mbit > 0 else None
+    payload = len(lora_shapes(args.params)) * LORA_RANK * HIDDEN * {"none": 4, "fp16": 2}.get(name, 1)
+    procs: list[subprocess.Popen] = []
+    with namespaces or contextlib.nullcontext():
+        if namespaces is not None:
+            namespaces.shape(mbit, args.queue_ms)
+        hosts = [[namespaces.ip(i) if namespaces else "127.0.0.1", 7000 + i] for i in range(peers)]
+        spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds}
+        try:
+            procs = launch(args, namespaces, peers, spec)
+            for index in range(args.rounds + 1):
+                start_at = f"{time.time() + 1.0}\n"
+                for proc in procs:
+                    proc.stdin.write(start_at) if proc.stdin else None
+                    proc.stdin.flush() if proc.stdin else None
+                for proc in procs:
+                    line = proc.stdout.readline() if proc.stdout else ""
+                    assert json.loads(line) == {"done": index}, line
+            outputs = [read_result(proc, args.step_timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                stop(proc)
+    times = [max(group) for group in zip(*(out["seconds"] for out in outputs), strict=True)]
+    bound = 2 * (peers - 1) / peers * payload * 8 / (mbit * 1e6) if mbit > 0 else None
+    median = statistics.median(times)
+    return [{
+        "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": "tcp (the bytes alone)",
+        "payload_bytes": payload, "bound_s": round(bound, 3) if bound else None, "median_s": round(median, 3),
+        "ratio_to_bound": round(median / bound, 3) if bound else None, "round_s": [round(t, 3) for t in times],
+    }]  # fmt: skip
+
+
+def run_swarm_peers(args: argparse.Namespace, peers: int, mbit: float, name: str) -> list[dict]:
+    namespaces = Namespaces(peers) if mbit > 0 else None
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp, namespaces or contextlib.nullcontext():
+        if namespaces is not None:
+            namespaces.shape(mbit, args.queue_ms)
+        spec = {"swarm": True, "peers": peers, "params": args.params, "compressions": [name], "rounds": args.rounds,
+                "matchmaking_time": args.swarm_matchmaking_time, "step_timeout": args.step_timeout,
+                "compute_s": args.compute_s, "part_bytes": args.trahiv_part_bytes,
+                "average_state_every": args.average_state_every}  # fmt: skip
+        try:
+            procs = launch(args, namespaces, peers, {**spec, "rounds_file": f"{tmp}/rounds.jsonl"})
+            outputs = [read_result(proc, args.step_timeout * (args.rounds + 2) * 2) for proc in procs]
+            for proc in procs:  # every peer is done: they may leave
+                with contextlib.suppress(OSError):
+                    proc.stdin.close() if proc.stdin else None
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(30)
+        finally:
+            for proc in procs:
+                stop(proc)
+        rows = [json.loads(line) for line in Path(f"{tmp}/rounds.jsonl").read_text().splitlines() if line.strip()]
+    return summarize_swarm(outputs, rows, peers, mbit, name)
+
+
+def summarize_swarm(outputs: list[dict], rows: list[dict], peers: int, mbit: float, name: str) -> list[dict]:
+    """One row per kind of round (gradients, parameters): the slowest peer's all-reduce per round, rounds matched by
+    group; the first gradient round (connections, allocations) is left out as warm-up."""
+    result = []
+    for kind in ("grad", "state"):
+        groups: dict[str, list[dict]] = {}
+        for row in rows:
+            if row["averager"].endswith(f"_{kind}_averager"):
+                groups.setdefault(row["group"], []).append(row)
+        by_round = list(groups.values())[1 if kind == "grad" else 0 :]
+        if not by_round:
+            continue
+        times = [max(r["seconds"] for r in group) for group in by_round]
+        payload = max(out["payload_bytes"] for out in outputs)
+        bound = 2 * (peers - 1) / peers * payload * 8 / (mbit * 1e6) if mbit > 0 else None
+        median = statistics.median(times)
+        statuses = [s for out in outputs for s in out["statuses"][kind]]
+        checks = [c for out in outputs for c in out["checks"]]
+        by_step: dict[int, list[dict]] = {}
+        for check in checks:
+            by_step.setdefault(check["step"], []).append(check)
+        weighting_errors = [  # |alpha - the offsets weighted by samples|: 0 for the exact sample-weighted mean
+            max(abs(c["alpha"] - sum(x["samples"] * x["offset"] for x in cs) / sum(x["samples"] for x in cs))
+                for c in cs)
+            for cs in by_step.values() if len(cs) == peers
+        ]  # fmt: skip
+        complete = all(s == "complete" for s in statuses) and all(len(g) == peers for g in by_round)
+        if kind == "grad":
+            complete = complete and all(c["unchanged_fraction"] < 1e-4 for c in checks)
+        roles = sorted({role for group in by_round for r in group for role in r["by_role"]})
+        spans = [max(r["end"] for r in g) - min(r["start"] for r in g) for g in by_round]
+        skews = [max(r["start"] for r in g) - min(r["start"] for r in g) for g in by_round]
+        result.append({
+            "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": f"swarm ({kind} rounds)",
+            "span_s": [round(t, 3) for t in spans], "start_skew_s": [round(t, 3) for t in skews],
+            "payload_bytes": payload, "bound_s": round(bound, 3) if bound else None, "median_s": round(median, 3),
+            "group_sizes": [max(r["size"] for r in group) for group in by_round],
+            "ratio_to_bound": round(median / bound, 3) if bound else None, "round_s": [round(t, 3) for t in times],
+            "all_complete": complete, "statuses": {s: statuses.count(s) for s in set(statuses)},
+            "max_relative_error": round(max((c["relative_error"] for c in checks), default=0.0), 5)
+            if kind == "grad" else None,
+            "max_weighting_error": round(max(weighting_errors, default=0.0), 5) if kind == "grad" else None,
+            "samples_per_step": sorted({sum(c["samples"] for c in cs) for cs in by_step.values()})
+            if kind == "grad" else None,
+            "compress_s": outputs[0]["compress_s"], "decompress_s": outputs[0]["decompress_s"],
+            "allreduce_cpu_s_by_role": {
+                role: round(statistics.median(sum(r["by_role"].get(role, 0.0) for r in g) for g in by_round), 3)
+                for role in roles
+            },
+            "allreduce_dht_all_peers": {
+                key: statistics.median(sum(r["dht"].get(key, 0) for r in g) for g in by_round)
+                for key in sorted({k for g in by_round for r in g for k in r["dht"]})
+            },
+        })  # fmt: skip
+    return result
+
+
+def run_averagers(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
     namespaces = Namespaces(peers) if mbit > 0 else None
     procs: list[subprocess.Popen] = []
     with namespaces or contextlib.nullcontext():
         if namespaces is not None:
             namespaces.shape(mbit, args.queue_ms)
+        spec = {
+            "peers": peers, "params": args.params, "compressions": args.compressions,
+            "engines": [e for e in args.engines if e not in ("swarm", "tcp")], "rounds": args.rounds,
+            "matchmaking_time": args.matchmaking_time, "step_timeout": args.step_timeout,
+            "trahiv_part_bytes": args.trahiv_part_bytes,
+        }  # fmt: skip
         try:
-            initial: list[str] = []
-            for rank in range(peers):
-                spec = {
-                    "rank": rank, "peers": peers, "params": args.params, "compressions": args.compressions,
-                    "engines": args.engines, "rounds": args.rounds, "matchmaking_time": args.matchmaking_time,
-                    "step_timeout": args.step_timeout, "trahiv_part_bytes": args.trahiv_part_bytes,
-                    "host": namespaces.ip(rank) if namespaces else "127.0.0.1", "initial_peers": initial,
-                }  # fmt: skip
-                cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-                procs.append(
-                    subprocess.Popen(
-                        (namespaces.wrap(rank) if namespaces else []) + cmd,
-                        stdout=subprocess.PIPE,
-                        text=True,
-                        start_new_session=True,
-                        cwd=ROOT,
-                    )  # fmt: skip
-                )
-                if rank == 0:
-                    line = procs[0].stdout.readline() if procs[0].stdout else ""
-                    initial = json.loads(line)["maddrs"]
+            procs = launch(args, namespaces, peers, spec)
             outputs = [read_result(proc, args.step_timeout * (args.rounds + 2) * 6) for proc in procs]
         finally:
             for proc in procs:
@@ -314,6 +654,17 @@ def cpu_median(by_round: list, key: str) -> float:
     return round(statistics.median(sum(r[key] or 0 for r in group) for group in by_round), 3)
 
 
+def roles_median(by_round: list) -> dict[str, float]:
+    """Median over rounds of the CPU seconds all peers' processes spent during the all-reduce, by role."""
+    roles = sorted({role for group in by_round for r in group for role in (r.get("by_role") or {})})
+    return {
+        role: round(
+            statistics.median(sum((r.get("by_role") or {}).get(role, 0.0) for r in group) for group in by_round), 3
+        )
+        for role in roles
+    }
+
+
 def summarize(outputs: list[dict], peers: int, mbit: float) -> list[dict]:
     rows = []
     for index, first in enumerate(outputs[0]["results"]):
@@ -337,6 +688,7 @@ def summarize(outputs: list[dict], peers: int, mbit: float) -> list[dict]:
             "compress_s": first["compress_s"], "decompress_s": first["decompress_s"],
             "median_cpu_s_all_peers": cpu_median(by_round, "cpu_s"),
             "median_peer_cpu_s_all_peers": cpu_median(by_round, "peer_cpu_s"),
+            "allreduce_cpu_s_by_role": roles_median(by_round),
             "errors": sorted({r["error"] for r in rounds if r["error"]}),
         })  # fmt: skip
     return rows
@@ -349,17 +701,25 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=8 * 2**20)
     parser.add_argument("--compressions", nargs="+", default=["fp16", "uniform8bit", "size_adaptive"])
     parser.add_argument(
-        "--engines", nargs="+", default=["hivemind", "trahiv"], choices=["hivemind", "hivemind-timeouts", "trahiv"]
-    )
+        "--engines", nargs="+", default=["hivemind", "trahiv"],
+        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp"],
+        help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
+             "as the Trainer builds them (gradient and parameter rounds reported separately)",
+    )  # fmt: skip
+    parser.add_argument("--compute-s", type=float, default=0.5, help="swarm: seconds of 'compute' per local step")
+    parser.add_argument("--average-state-every", type=int, default=5, help="swarm: opt.average_state_every")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--queue-ms", type=float, default=200.0, help="tbf queue (latency) on each shaped link")
-    parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--matchmaking-time", type=float, default=2.0, help="bare averagers' matchmaking window")
+    parser.add_argument("--swarm-matchmaking-time", type=float, default=15.0,
+                        help="swarm peers' opt.matchmaking_time (the Trainer's default: 15)")  # fmt: skip
     parser.add_argument("--step-timeout", type=float, default=90.0)
     parser.add_argument("--trahiv-part-bytes", type=int, default=2**19)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(json.loads(args.worker))
+        spec = json.loads(args.worker)
+        return swarm_worker(spec) if spec.get("swarm") else tcp_worker(spec) if spec.get("tcp") else worker(spec)
     if any(b > 0 for b in args.bandwidths) and os.geteuid() != 0:
         parser.error("shaped links need network namespaces: run as root, or use --bandwidths 0 (loopback)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit unwinds: workers stopped, namespaces deleted

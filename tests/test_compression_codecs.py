@@ -10,6 +10,7 @@ from hivemind.proto import runtime_pb2
 
 from trahiv import engine
 from trahiv.compression import FastUniform8BitQuantization, make_compression
+from trahiv.engine.exact import compression_type
 
 engine.apply()
 
@@ -57,3 +58,14 @@ def test_decoded_values_stay_within_the_tensors_range():
         message = FastUniform8BitQuantization().compress(tensor, CompressionInfo.from_tensor(tensor, key=0))
         decoded = deserialize_torch_tensor(message)
         assert float(decoded.min()) >= float(tensor.min()) and float(decoded.max()) <= float(tensor.max()), seed
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "scaled_fp16", "uniform8bit", "quantile8bit", "blockwise8bit",
+                                  "size_adaptive"])  # fmt: skip
+def test_compression_type_names_the_codec_compress_would_use(name):
+    """A reducer serializes an aggregate once in the codec its senders used (trahiv.engine.exact) and needs that codec
+    for its own part without encoding the part to find out."""
+    compression = make_compression(name)
+    for tensor in (torch.randn(100), torch.randn(70_000), torch.arange(5)):  # size_adaptive's two sides; integers
+        info = CompressionInfo.from_tensor(tensor, key=0)
+        assert compression_type(compression, info) == compression.compress(tensor, info).compression, tensor.shape

@@ -207,9 +207,26 @@ class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):
         caps = await self._weight_caps(group_info.peer_ids)
         await run_exact_allreduce_(self, tensors, group_info, weight_caps=caps, **kwargs)
 
+    # --- weights are clamped to the samples each peer reported -------------------------------------------------
+    # The owner (SwarmOptimizer) reads the swarm's progress records right before a step's round and hands them over
+    # (`use_reported_progress`); a round of that step clamps with them. Looking them up in the DHT at the start of
+    # the round put a lookup on its critical path: 10-140 ms a round over 100 Mbit/s links with 4 peers, longest for
+    # the peers that started last (benchmarks/averaging_round.py --engines swarm). Without records for the round's
+    # step (another caller, an aux peer), the round looks them up as before.
+
+    def use_reported_progress(self, records: Any, epoch: int) -> None:
+        """The swarm's progress records (the DHT's value of `progress_key`) as read for the round of step `epoch`."""
+        self._outer_pipe.send(("_set_reported_progress", [], dict(records=records, bits=epoch_group_bits(epoch))))
+
+    async def _set_reported_progress(self, records: Any, bits: str) -> None:
+        self._reported_progress = (records, bits)
+
     async def _weight_caps(self, peers: Sequence[PeerID]) -> dict[PeerID, float] | None:
         if self.progress_key is None:
             return None
+        records, bits = getattr(self, "_reported_progress", (None, None))
+        if bits is not None and bits == self._matchmaking.group_key_manager.group_bits:  # read for this round's step
+            return reported_sample_caps(records, peers, get_dht_time())
         try:
             found = await asyncio.wait_for(
                 self.dht.get(self.progress_key, latest=True, return_future=True),
@@ -620,6 +637,8 @@ class AuxiliaryStateAverager(ReportingMixin, RobustAuxiliaryStateAverager):
 class _RobustPowerSGD(PowerSGDGradientAverager):
     aggregation: Aggregation
     progress_key: str | None
+    use_reported_progress = RobustGradientAverager.use_reported_progress
+    _set_reported_progress = RobustGradientAverager._set_reported_progress
     _weight_caps = RobustGradientAverager._weight_caps
 
     async def _run_allreduce_inplace_(

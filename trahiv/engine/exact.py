@@ -24,15 +24,28 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from trahiv.compression import FloatsOnly
 from trahiv.engine.allreduce import NoUsablePartError, group_modes
 from trahiv.engine.averagers import PartialRoundRunner, RobustAverager
 
-__all__ = ["ExactAverager", "ExactRoundRunner", "run_exact_allreduce_"]
+__all__ = ["ExactAverager", "ExactRoundRunner", "compression_type", "run_exact_allreduce_"]
+
+
+def compression_type(compression: CompressionBase, info: CompressionInfo) -> int | None:
+    """The wire codec (`runtime_pb2.CompressionType`) `compression` uses for a tensor described by `info`, without
+    encoding it; None for a codec that does not say."""
+    if isinstance(compression, FloatsOnly):
+        return compression_type(compression._codec(info.descriptor.dtype), info)
+    if isinstance(compression, AdaptiveCompressionBase):
+        return compression_type(compression.choose_compression(info), info)
+    kind = getattr(compression, "compression_type", None)
+    return int(kind) if kind is not None else None
 
 
 class ExactRoundRunner(PartialRoundRunner):
@@ -41,6 +54,18 @@ class ExactRoundRunner(PartialRoundRunner):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # a failed reducer's parts: the local values
+        self._results: dict[tuple[int, int], asyncio.Future] = {}
+
+    def _result(self, part_index: int, averaged: torch.Tensor, compression: int) -> asyncio.Future:
+        """Q(aggregate) of a part, serialized once per compression for every sender that asks (and for this peer):
+        hivemind serialized a difference for each sender, and the aggregate is the same for all. With 4 peers a
+        reducer encoded its share 3 times. The serialized parts stay until the round ends (at most this peer's share
+        of the payload)."""
+        key = (part_index, compression)
+        if key not in self._results:
+            loop = asyncio.get_running_loop()
+            self._results[key] = loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+        return self._results[key]
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
@@ -55,8 +80,10 @@ class ExactRoundRunner(PartialRoundRunner):
                     sender_index, part_index, tensor_part, weight=self.weight
                 )
                 info = own_parts[part_index][1]
-                kind = container.compression.compress(tensor_part, info).compression  # what the others send
-                result = deserialize_torch_tensor(serialize_torch_tensor(averaged, kind))
+                kind = compression_type(container.compression, info)  # what the others send
+                if kind is None:  # a codec that does not say: find out by encoding this part
+                    kind = container.compression.compress(tensor_part, info).compression
+                result = deserialize_torch_tensor(await self._result(part_index, averaged, kind))
             except NoUsablePartError:
                 result = tensor_part  # keep the local values of a part nobody could aggregate
             container.register_processed_part(peer_index, part_index, result)
@@ -65,7 +92,6 @@ class ExactRoundRunner(PartialRoundRunner):
         """hivemind's reducer loop, returning Q(aggregate) in the compression the sender used (not a difference)."""
         part_index = 0
         try:
-            loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
                 lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
                 stream,
@@ -75,10 +101,10 @@ class ExactRoundRunner(PartialRoundRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
                     )
-                    part_index += 1
                 except BannedException:
                     break  # this sender was banned: its results are no longer needed
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, part_compression)
+                serialized = await self._result(part_index, averaged, part_compression)
+                part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -115,8 +141,7 @@ async def run_exact_allreduce_(
         return
     async for tensor, result in azip(as_aiter(*tensors), runner):
         tensor.copy_(result)
-        averager.last_updated = get_dht_time()
-        averager._state_updated.set()
+        averager.last_updated = get_dht_time()  # (no `_state_updated`: see trahiv.engine.allreduce)
 
 
 class ExactAverager(RobustAverager):

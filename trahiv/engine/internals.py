@@ -104,7 +104,6 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_running_groups", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_matchmaking", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_p2p", "instance", None),
-    Internal("hivemind.averaging.averager:DecentralizedAverager", "_state_updated", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_averaging_alpha", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "serializer", "class", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "last_updated", "instance", None),
@@ -326,6 +325,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.matchmaking:Matchmaking", "current_followers", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "peer_id", "instance", None),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "target_group_size", "instance", None),
+    # trahiv.engine.exact: the codec of a part, without encoding it
+    Internal(
+        "hivemind.compression.adaptive:AdaptiveCompressionBase",
+        "choose_compression",
+        "method",
+        "(self, info: hivemind.compression.base.CompressionInfo) -> hivemind.compression.base.CompressionBase",
+    ),
+    # trahiv.engine.fixes, 7: matchmaking lookups of a group key are paced
+    Internal(
+        "hivemind.averaging.key_manager:GroupKeyManager",
+        "get_averagers",
+        "method",
+        "(self, group_key: str, only_active: bool) -> List[Tuple[hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID, float]]",
+    ),
     # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
     Internal(
         "hivemind.averaging.matchmaking:Matchmaking",

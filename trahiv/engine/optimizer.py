@@ -150,11 +150,14 @@ class SwarmProgressTracker(ProgressTracker):
         limit = trusted_epoch(epochs, self.local_progress.epoch)
         return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch)
 
-    def refresh_now(self) -> None:
-        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
+    def refresh_now(self) -> Any:
+        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?); return
+        the records as read (the DHT's value)."""
         with self.lock_global_progress:
             found = self.dht.get(self.training_progress_key, latest=True)
-            self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
+            records = found.value if found is not None else None
+            self.global_progress = self._parse_swarm_progress_data(records)
+        return records
 
     def _parse_swarm_progress_data(self, metadata: Any):
         records = self._trusted_records(self._well_formed_records(metadata))
@@ -396,7 +399,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return expected_in_round(self.dht.peer_id.to_bytes(), records, epoch)
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
-        self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
+        records = self.tracker.refresh_now()  # the averaging decision must not rest on a view max_refresh_period old
         if self._missed_the_round():
             logger.info(
                 f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
@@ -405,6 +408,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return
         self._key_rounds_by_step()
+        if isinstance(self.grad_averager, RobustGradientAverager | RobustPowerSGDGradientAverager):
+            self.grad_averager.use_reported_progress(records, self.local_epoch)  # the round's weight caps
         self._stepped_alone = self._left_behind = False
         began = time.monotonic()
         try:
