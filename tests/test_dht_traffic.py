@@ -4,7 +4,7 @@ trahiv.engine.allreduce). Each test runs hivemind's own behaviour as its control
 - A peer that looks for a group and finds no leader better than itself: hivemind 1.1.12 looks the group key up
   again as soon as the previous lookup returned (~400 lookups a second on loopback); trahiv at most every
   MATCHMAKING_LOOKUP_PERIOD.
-- A round of an averager that offers its state for download: hivemind re-declares that state in the DHT after every
+- A round of an averager that offers its state for download: hivemind redeclares that state in the DHT after every
   tensor it averaged (the priority, unchanged); trahiv's rounds do not.
 """
 
@@ -106,5 +106,5 @@ def redeclarations_in_one_round(dhts: list[hivemind.DHT], cls: type, prefix: str
 def test_a_round_does_not_redeclare_the_averagers_state_after_every_tensor(dhts):
     trahiv_stores = redeclarations_in_one_round(dhts, ReportingAverager, "declare_trahiv")
     hivemind_stores = redeclarations_in_one_round(dhts, DecentralizedAverager, "declare_hivemind")
-    assert trahiv_stores <= 2, trahiv_stores  # (a periodic re-declaration may fall into the round)
+    assert trahiv_stores <= 2, trahiv_stores  # (a periodic redeclaration may fall into the round)
     assert hivemind_stores >= TENSORS // 2, f"the control stored {hivemind_stores} times: the test shows nothing"

@@ -2,7 +2,7 @@
 sender's copy of a part and aggregates once all arrived (garbage excluded, weights clamped, `trahiv.averaging.robust`
 decides); `RobustAllReduceRunner` runs it, and its senders close each stream once they have every part;
 `run_robust_allreduce_` is `DecentralizedAverager._run_allreduce_inplace_` with that runner and the group's modes,
-without re-declaring the averager's state in the DHT after every tensor."""
+without redeclaring the averager's state in the DHT after every tensor."""
 
 from __future__ import annotations
 
