@@ -61,7 +61,9 @@ def worker(spec: dict) -> None:
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     swarm.check_model(model_fingerprint(named))
     optimizer = swarm.make_optimizer([{"params": params}], lambda groups: torch.optim.SGD(groups, lr=1e-3), None, batch)
+    swarm.mark_ready()  # what trahiv.Trainer does when training begins (min_peers counts only peers marked ready)
     swarm.wait_for_peers()
+    swarm.catch_up()
     marks = compute_loop(spec, params, lambda: optimizer.step(batch_size=batch), lambda: optimizer.local_epoch)
     rounds = swarm.metrics()
     swarm.shutdown()

@@ -204,3 +204,52 @@ def test_state_rejection_reason():
     assert state_rejection_reason({"epoch": -1}, good, shapes) == "epoch -1 is not a non-negative integer"
     assert state_rejection_reason({"epoch": True}, good, shapes) == "epoch True is not a non-negative integer"
     assert state_rejection_reason([1, 2], good, shapes) == "metadata is a list, not a dict"
+
+
+def test_a_peer_past_the_rounds_step_is_capped_by_the_target_not_its_new_record():
+    """A peer that finished the round's step (background averaging, a slow groupmate) reports the next step's few
+    samples: read as its contribution, its 16 samples were clamped to ~1.2 (benchmarks/compute_utilization.py)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    a, b, c = (PeerID(bytes([18, 32, *([i] * 32)])) for i in (1, 2, 3))
+    now = 1000.0
+
+    def record(peer: PeerID, samples: float, epoch: int) -> ValueWithExpiration:
+        value = dict(
+            peer_id=peer.to_bytes(), samples_accumulated=samples, samples_per_second=0.0, time=now, epoch=epoch
+        )
+        return ValueWithExpiration(value, now + 60)
+
+    records = {b"a": record(a, 16, 7), b"b": record(b, 0, 8), b"c": record(c, 12, 6)}  # b moved on; c is behind
+    assert reported_sample_caps(records, [a, b, c], now) == {a: 21.0, b: 1.0, c: 16.0}  # b clamped to nothing
+    caps = reported_sample_caps(records, [a, b, c], now, round_epoch=7, moved_on_cap=1.25 * 32 + 1)
+    assert caps == {a: 21.0, b: 41.0, c: 16.0}
+    assert reported_sample_caps(records, [a, b, c], now, round_epoch=7)[b] == 21.0  # no target: the others' largest
+    wrapped = {b"a": record(a, 16, 2**16 + 3), b"b": record(b, 0, 2**16 + 4)}  # steps compared as matchmaking keys
+    assert reported_sample_caps(wrapped, [a, b], now, round_epoch=3, moved_on_cap=41.0) == {a: 21.0, b: 41.0}
+
+
+def test_the_tracker_hands_a_round_each_peers_record_of_the_rounds_step():
+    """SwarmOptimizer gives its gradient averager, for the round of step k, each peer's last record *of step k*, so a
+    peer that already moved on still counts with what it accumulated for k."""
+    from types import SimpleNamespace
+
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from trahiv.engine.optimizer import SwarmProgressTracker
+
+    tracker = object.__new__(SwarmProgressTracker)  # only its record memory: no DHT
+    tracker._by_epoch, tracker.local_progress = {}, SimpleNamespace(epoch=7)
+
+    def fetch(**peers: tuple[int, int]) -> None:
+        tracker._remember_by_epoch({
+            name.encode(): ValueWithExpiration({"peer_id": name.encode(), "epoch": epoch, "samples_accumulated": n}, 0)
+            for name, (epoch, n) in peers.items()
+        })  # fmt: skip
+
+    fetch(a=(7, 4), b=(7, 10), c=(5, 3))
+    fetch(a=(7, 16), b=(8, 1), c=(6, 2))  # b finished step 7; c, behind, is still at step 6
+    records = tracker.records_for_round(7)
+    assert {key: entry.value["samples_accumulated"] for key, entry in records.items()} == {b"a": 16, b"b": 10, b"c": 2}
+    assert set(tracker._by_epoch[b"c"]) == {6}  # steps before the previous one are forgotten

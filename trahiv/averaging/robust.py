@@ -127,12 +127,26 @@ def rejection_reason(part: torch.Tensor, weight: float, shape: torch.Size) -> st
 # --- the reducer --------------------------------------------------------------------------------------------------
 
 
-def reported_sample_caps(records: Any, peers: Sequence[PeerID], now: float) -> dict[PeerID, float]:
+def reported_sample_caps(
+    records: Any,
+    peers: Sequence[PeerID],
+    now: float,
+    *,
+    round_epoch: int | None = None,
+    moved_on_cap: float | None = None,
+) -> dict[PeerID, float]:
     """The most each peer of a group may weigh in a gradient round, from the swarm's progress records (hivemind's
     `{run_id}_progress`: samples accumulated, samples/s, time): WEIGHT_SLACK x (reported samples, extrapolated at the
     reported rate for at most MAX_EXTRAPOLATION_S) + 1. A peer without a record gets the smallest cap of the others;
-    several records naming one peer count as the largest (a forged record cannot lower another peer's cap)."""
+    several records naming one peer count as the largest (a forged record cannot lower another peer's cap).
+
+    Given the round's step (`round_epoch`, compared modulo 2**16 as matchmaking keys carry it), a record of a later
+    step says what its peer accumulated since it finished the round's step, not for it: such a peer is capped at
+    `moved_on_cap` (WEIGHT_SLACK x target_batch_size + 1), or the largest cap of the others. Peers that finished a
+    round before another peer of it began (background averaging, a slow peer) were clamped to a few samples: 16 to
+    1.2 in benchmarks/compute_utilization.py."""
     reported: dict[bytes, float] = {}
+    moved_on: set[bytes] = set()
     entries = records.items() if isinstance(records, dict) else ()
     for _, entry in entries:
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
@@ -143,11 +157,19 @@ def reported_sample_caps(records: Any, peers: Sequence[PeerID], now: float) -> d
             isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in fields
         ):
             continue
+        epoch = value.get("epoch")
+        if round_epoch is not None and isinstance(epoch, int) and 0 < (epoch - round_epoch) % 2**16 < 2**15:
+            moved_on.add(value["peer_id"])
+            continue
         samples, rate, at = (float(x) for x in fields)  # type: ignore[arg-type]
         elapsed = min(max(now - at, 0.0), MAX_EXTRAPOLATION_S)
         estimate = samples + rate * elapsed
         reported[value["peer_id"]] = max(reported.get(value["peer_id"], 0.0), estimate)
     caps = {peer: WEIGHT_SLACK * reported[peer.to_bytes()] + 1 for peer in peers if peer.to_bytes() in reported}
+    moved = [peer for peer in peers if peer.to_bytes() in moved_on]
+    if moved:
+        cap = moved_on_cap if moved_on_cap is not None else max(caps.values(), default=math.inf)
+        caps.update({peer: max(caps.get(peer, 0.0), cap) for peer in moved})
     if not caps:
         return {}
     smallest = min(caps.values())

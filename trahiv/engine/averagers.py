@@ -45,6 +45,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from trahiv.averaging.partial import Deadlines, RoundReport, compressed_sizes
 from trahiv.averaging.robust import (
     MEAN,
+    WEIGHT_SLACK,
     Aggregation,
     reported_sample_caps,
     state_rejection_reason,
@@ -168,9 +169,16 @@ class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):
     parameters never moved). Here the averaged tensors, which still hold this peer's gradients (or, after a round that
     broke midway, its gradients with the parts that were averaged), are kept instead."""
 
-    def __init__(self, *args: Any, aggregation: Aggregation = MEAN, progress_key: str | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        aggregation: Aggregation = MEAN,
+        progress_key: str | None = None,
+        target_batch_size: int | None = None,
+        **kwargs: Any,
+    ):
         self.aggregation = aggregation  # set before the averager process forks
-        self.progress_key = progress_key
+        self.progress_key, self.target_batch_size = progress_key, target_batch_size
         self._holds_local_gradients = False  # the averaged tensors hold the gradients of the round just begun
         self._in_step = False
         super().__init__(*args, **kwargs)
@@ -224,9 +232,13 @@ class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):
     async def _weight_caps(self, peers: Sequence[PeerID]) -> dict[PeerID, float] | None:
         if self.progress_key is None:
             return None
+        group_bits = self._matchmaking.group_key_manager.group_bits
+        round_epoch = int(group_bits, 2) if len(group_bits) == EPOCH_KEY_BITS else None  # the step, modulo 2**16
+        target = getattr(self, "target_batch_size", None)
+        limits = dict(round_epoch=round_epoch, moved_on_cap=None if target is None else WEIGHT_SLACK * target + 1)
         records, bits = getattr(self, "_reported_progress", (None, None))
-        if bits is not None and bits == self._matchmaking.group_key_manager.group_bits:  # read for this round's step
-            return reported_sample_caps(records, peers, get_dht_time())
+        if bits is not None and bits == group_bits:  # read for this round's step
+            return reported_sample_caps(records, peers, get_dht_time(), **limits)
         try:
             found = await asyncio.wait_for(
                 self.dht.get(self.progress_key, latest=True, return_future=True),
@@ -235,7 +247,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, GradientAverager):
         except Exception as e:  # a slow DHT must not stall the round: it runs unclamped, and says so
             logger.warning(f"Could not read the swarm's progress to check averaging weights ({e!r})")
             return None
-        return reported_sample_caps(found.value if found is not None else {}, peers, get_dht_time())
+        return reported_sample_caps(found.value if found is not None else {}, peers, get_dht_time(), **limits)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -637,6 +649,7 @@ class AuxiliaryStateAverager(ReportingMixin, RobustAuxiliaryStateAverager):
 class _RobustPowerSGD(PowerSGDGradientAverager):
     aggregation: Aggregation
     progress_key: str | None
+    target_batch_size: int | None
     use_reported_progress = RobustGradientAverager.use_reported_progress
     _set_reported_progress = RobustGradientAverager._set_reported_progress
     _weight_caps = RobustGradientAverager._weight_caps
@@ -670,6 +683,7 @@ class RobustPowerSGDGradientAverager(ReportingMixin, _RobustPowerSGD):
         deadlines: Deadlines | None = None,
         aggregation: Aggregation = MEAN,
         progress_key: str | None = None,
+        target_batch_size: int | None = None,
         **kwargs: Any,
     ):
         if aggregation.name != "mean":
@@ -679,6 +693,6 @@ class RobustPowerSGDGradientAverager(ReportingMixin, _RobustPowerSGD):
             )
         if averager_rank < 1:
             raise ValueError(f"PowerSGD needs averager_rank >= 1, got {averager_rank}")
-        self.progress_key = progress_key
+        self.progress_key, self.target_batch_size = progress_key, target_batch_size
         self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
         super().__init__(parameters, averager_rank, **kwargs)

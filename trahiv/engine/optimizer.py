@@ -113,6 +113,7 @@ class SwarmProgressTracker(ProgressTracker):
         self.unconfirmed_epoch = 0
         self.peer_filter: Callable[[], set[str] | None] | None = None  # after a revert: the peers that applied it
         self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
+        self._by_epoch: dict[Any, dict[int, tuple[Any, Any]]] = {}  # peer -> step -> (subkey, record) last read
         super().__init__(*args, **kwargs)
 
     @property
@@ -150,16 +151,34 @@ class SwarmProgressTracker(ProgressTracker):
         limit = trusted_epoch(epochs, self.local_progress.epoch)
         return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch)
 
-    def refresh_now(self) -> Any:
-        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?); return
-        the records as read (the DHT's value)."""
+    def refresh_now(self) -> None:
+        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
         with self.lock_global_progress:
             found = self.dht.get(self.training_progress_key, latest=True)
-            records = found.value if found is not None else None
-            self.global_progress = self._parse_swarm_progress_data(records)
-        return records
+            self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
+
+    def records_for_round(self, epoch: int) -> dict[Any, Any]:
+        """The progress records (the DHT's form) that say what each peer accumulated for step `epoch`: its record of
+        that step as last read, else its latest. A peer that finished the step moved its record on (to 0 samples of
+        the next one): the round's weight caps must not read that (trahiv.averaging.robust.reported_sample_caps)."""
+        return dict(by_epoch.get(epoch) or by_epoch[max(by_epoch)] for by_epoch in self._by_epoch.values())
+
+    def _remember_by_epoch(self, metadata: Any) -> None:
+        for key, entry in metadata.items() if isinstance(metadata, dict) else ():
+            value = getattr(entry, "value", None)
+            if not isinstance(value, dict):
+                continue
+            epoch, peer = value.get("epoch"), value.get("peer_id")
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(peer, bytes):
+                self._by_epoch.setdefault(peer, {})[epoch] = (key, entry)
+        for peer, by_epoch in list(self._by_epoch.items()):  # the last two steps are enough (this one, the previous)
+            for epoch in [e for e in by_epoch if e < self.local_progress.epoch - 1]:
+                del by_epoch[epoch]
+            if not by_epoch:
+                del self._by_epoch[peer]
 
     def _parse_swarm_progress_data(self, metadata: Any):
+        self._remember_by_epoch(metadata)
         records = self._trusted_records(self._well_formed_records(metadata))
         sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
         progress = super()._parse_swarm_progress_data(sanitized)
@@ -399,7 +418,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return expected_in_round(self.dht.peer_id.to_bytes(), records, epoch)
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
-        records = self.tracker.refresh_now()  # the averaging decision must not rest on a view max_refresh_period old
+        self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
         if self._missed_the_round():
             logger.info(
                 f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
@@ -408,8 +427,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return
         self._key_rounds_by_step()
-        if isinstance(self.grad_averager, RobustGradientAverager | RobustPowerSGDGradientAverager):
-            self.grad_averager.use_reported_progress(records, self.local_epoch)  # the round's weight caps
+        if isinstance(self.grad_averager, RobustGradientAverager | RobustPowerSGDGradientAverager):  # weight caps
+            self.grad_averager.use_reported_progress(self.tracker.records_for_round(self.local_epoch), self.local_epoch)
         self._stepped_alone = self._left_behind = False
         began = time.monotonic()
         try:
@@ -604,12 +623,14 @@ def grad_averager_factory(
     averager re-announced it in the DHT at every change of its priority: 5 stores a step with 16 peers, each sent to
     every other node (benchmarks/swarm_cost.py)."""
     progress_key = f"{opt.run_id}_progress"  # weights are clamped to the samples each peer reported there
+    target = opt.target_batch_size  # ... at most this (x WEIGHT_SLACK) for peers already past the round's step
     if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
         return partial(
             gated(RobustPowerSGDGradientAverager, gate),
             averager_rank=opt.power_sgd_rank,
             request_timeout=request_timeout(opt),
             progress_key=progress_key,
+            target_batch_size=target,
             deadlines=Deadlines(),
             allow_state_sharing=False,
         )
@@ -619,6 +640,7 @@ def grad_averager_factory(
         allow_state_sharing=False,
         aggregation=Aggregation(**opt.aggregation.model_dump()),
         progress_key=progress_key,
+        target_batch_size=target,
     )
     if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
         factory = partial(factory, deadlines=Deadlines())
