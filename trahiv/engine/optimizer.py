@@ -374,10 +374,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.auxiliary or self._hold_released == self.local_epoch or tracker.ready_to_update_epoch or batch <= 0:
             return
         own_id = self.dht.peer_id.to_bytes()
+        contributions = self._contributions()
+        # every peer's rate as its record reports it, this peer's too (its own measure is fresher than what the others
+        # read of it): peers that each mixed their own measure with the others' records computed shares that did not
+        # add up to the target (2 peers, target 16: 12 + 8 samples once in a clean-clone run)
+        reported_rate = next((c.rate for c in contributions if c.peer == own_id), None)
         own = Contribution(
-            own_id, tracker.local_progress.samples_accumulated, tracker.performance_ema.samples_per_second
+            own_id,
+            tracker.local_progress.samples_accumulated,
+            reported_rate if reported_rate is not None else tracker.performance_ema.samples_per_second,
         )
-        others = [c for c in self._contributions() if c.peer != own_id]
+        others = [c for c in contributions if c.peer != own_id]
         share = share_of_target(tracker.target_batch_size, own, [own, *others])
         if not share_done(own.samples, batch, share):
             return
