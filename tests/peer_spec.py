@@ -61,6 +61,7 @@ class _Common(_Strict):
     byzantine: Attack | list[Attack] | None = None
     n_embd: int | None = Field(None, ge=1, description="a deliberately different model")
     lora: bool = False
+    init_seed: int | None = Field(None, description="trainable weights moved by noise of this seed (other weights)")
 
 
 class PeerSpec(_Common):

@@ -305,6 +305,12 @@ def main(spec_path: str) -> int:
         SwarmOptimizer.state_averager_cls = PoisonedStateAverager
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
+    if spec.get("init_seed") is not None:  # weights of its own (as LoRA adapters initialized at random are)
+        noise = torch.Generator().manual_seed(spec["init_seed"])
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn(param.shape, generator=noise) * 0.01)
     begin_loss = eval_loss(model, dataset, spec["eval_blocks"]) if spec.get("eval_blocks") else None
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     recorder = Recorder(trainer, spec, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,40 @@ def test_fast_steps_keep_two_peers_in_step(tmp_path, workdir, busy_core):
         assert done["averaging_rounds"]["failed"] == done["averaging_rounds"]["partial"] == 0, done
     for peer in (a, b):
         assert "Skipped averaging: there are no other peers" not in peer.log(), "a peer stepped alone"
+
+
+def test_peers_that_start_together_start_from_the_weights_of_the_first_ready(tmp_path, workdir):
+    """Three peers start a swarm together, a and b with the same weights, c with weights of its own. The peer that was
+    ready first keeps its weights; a peer with the same weights downloads nothing; any other downloads the first
+    one's state (each used to download some peer's state, whichever served the highest priority, at once). All three
+    hold the same parameters after every step."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(
+        workdir=str(workdir), run_id="together", target=24, max_steps=3, batch_size=4,
+        initial_peers=boot.initial_peers, opt={"min_peers": 3},
+    )  # fmt: skip
+    try:
+        peers = [start_peer(tmp_path, name, **common, **extra) for name, extra in (("a", {}), ("b", {}), ("c", {
+            "init_seed": 7}))]  # fmt: skip
+        for peer in peers:
+            peer.finish()
+    finally:
+        boot.stop()
+    ids = {peer.name: json.loads((peer.out / "ready.json").read_text())["peer_id"] for peer in peers}
+    keeps = [peer.name for peer in peers if "starts from this peer's weights" in peer.log()]
+    assert len(keeps) == 1, keeps
+    first = ids[keeps[0]]
+    for peer in peers:
+        log = peer.log()
+        assert "downloading its state before training" not in log, peer.name
+        if peer.name == keeps[0]:
+            continue
+        same = f"the same as those of peer {first}, ready first" in log
+        loaded = f"starting from the weights of peer {first}" in log
+        same_weights = {peer.name, keeps[0]} == {"a", "b"}
+        assert (same, loaded) == (same_weights, not same_weights), (peer.name, keeps[0], log[-2000:])
+    began = {peer.name: peer.records("begin")[0]["digest"] for peer in peers}  # as each began training
+    assert len(set(began.values())) == 1, began
+    for step in range(1, 4):
+        digests = {peer.name: peer.wait_params(step)["digest"] for peer in peers}
+        assert len(set(digests.values())) == 1, (step, digests)

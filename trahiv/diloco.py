@@ -45,7 +45,6 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import threading
@@ -66,6 +65,7 @@ from trahiv.config import HivemindConfig
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
 from trahiv.engine.traffic import total_traffic
+from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
 
 logger = logging.getLogger("trahiv.diloco")
 
@@ -88,7 +88,6 @@ MIN_WAIT = 5.0  # seconds added to every wait (busy CPUs: a step can take a few 
 UNKNOWN_RATE_WAIT = 60.0  # seconds a sync waits for a peer that has not measured its speed yet
 POLL_PERIOD = 0.2  # seconds between two reads of the peers' progress while waiting
 ADOPT_TRIES = 3  # downloads of the outer state, at most, while the swarm keeps reaching its sync point meanwhile
-DIGEST_VALUES = 1 << 22  # values an outer state's digest hashes at most (every k-th one beyond: about 16 MB)
 
 
 # --- the outer step ------------------------------------------------------------------------------------------------
@@ -108,16 +107,6 @@ def outer_sgd_step_(
     for param, grad, buffer in zip(params, grads, momenta, strict=True):
         buffer.mul_(momentum).add_(grad)
         param.sub_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=lr)
-
-
-def outer_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """A fingerprint of outer parameters (BLAKE2b of their bytes; of every k-th value when there are more than
-    DIGEST_VALUES): peers at one outer step hold bit-identical outer parameters, so their digests are equal."""
-    stride = max(1, -(-sum(t.numel() for t in tensors) // DIGEST_VALUES))
-    digest = hashlib.blake2b(digest_size=8)
-    for tensor in tensors:
-        digest.update(tensor.detach().reshape(-1)[::stride].contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
 
 
 def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:

@@ -9,6 +9,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import torch
+
 __all__ = [
     "Contribution",
     "expected_in_round",
@@ -19,8 +21,22 @@ __all__ = [
     "share_done",
     "share_of_target",
     "state_priority",
+    "tensors_digest",
     "trusted_epoch",
 ]
+
+DIGEST_VALUES = 1 << 22  # values a digest of tensors hashes at most (every k-th one beyond: about 16 MB)
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A fingerprint of tensors' values (BLAKE2b of their bytes; of every k-th value when there are more than
+    DIGEST_VALUES): peers holding bit-identical tensors have equal digests (DiLoCo's outer parameters; the weights
+    peers start from)."""
+    stride = max(1, -(-sum(t.numel() for t in tensors) // DIGEST_VALUES))
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        digest.update(tensor.detach().reshape(-1)[::stride].contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def trusted_epoch(epochs: list[int], local_epoch: int) -> int:

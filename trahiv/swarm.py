@@ -29,12 +29,13 @@ from trahiv.engine.optimizer import (
     request_timeout,
     tracker_opts,
 )
+from trahiv.engine.state import download_state, load_state
 from trahiv.engine.traffic import total_traffic
 from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_cannot_form
 from trahiv.errors import NOT_CONNECTED, debug_enabled, join_error_message
 from trahiv.lifecycle import Lifecycle, join_swarm
 from trahiv.metrics import MetricsPublisher, MetricsRecord
-from trahiv.protocol import ready_peers
+from trahiv.protocol import ready_peers, tensors_digest
 from trahiv.revert import RevertFollower, RevertWatcher
 
 logger = logging.getLogger("trahiv.swarm")
@@ -119,7 +120,8 @@ def model_fingerprint(
 ) -> dict[str, Any]:
     """Names, shapes and dtypes of the trainable tensors: peers must agree on these to average. With `swarm_tensors`
     (the trainable tensors in the order the swarm's optimizer gets them), also their `schema` ([dtype, shape] each):
-    an auxiliary peer that helps average builds its averager from it, without the model."""
+    an auxiliary peer that helps average builds its averager from it, without the model; and a digest of their values
+    (`weights`): peers that start together and hold the same weights download nothing."""
     digest, count, numel = hashlib.sha256(), 0, 0
     for name, param in named_parameters:
         if param.requires_grad:
@@ -128,17 +130,21 @@ def model_fingerprint(
     fingerprint: dict[str, Any] = {"digest": digest.hexdigest()[:32], "tensors": count, "parameters": numel}
     if swarm_tensors is not None:
         fingerprint["schema"] = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in swarm_tensors]
+        fingerprint["weights"] = tensors_digest(swarm_tensors)  # the values this peer starts from (Swarm.catch_up)
     return fingerprint
 
 
 SCHEMA_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # what trainable tensors can be
+FINGERPRINT_KEYS = frozenset({"digest", "tensors", "parameters", "schema", "ready", "ready_at", "weights"})
 
 
 def _is_fingerprint(value: Any) -> bool:
     return (
         isinstance(value, dict)
-        and {"digest", "tensors", "parameters"} <= set(value) <= {"digest", "tensors", "parameters", "schema", "ready"}
+        and {"digest", "tensors", "parameters"} <= set(value) <= FINGERPRINT_KEYS
         and type(value.get("ready", False)) is bool
+        and (type(value.get("weights", "")) is str and len(value.get("weights", "")) <= 32)
+        and (type(value.get("ready_at", 0.0)) in (int, float) and math.isfinite(value.get("ready_at", 0.0)))
         and isinstance(value["digest"], str)
         and len(value["digest"]) == 32
         and all(type(value[k]) is int and value[k] >= 0 for k in ("tensors", "parameters"))
@@ -245,8 +251,8 @@ class Swarm:
         those released the first peer of run_clm.py's 2-peer swarm to take 4-5 of 8 steps alone."""
         if self.optimizer is not None:
             self.optimizer.tracker.announce()
-        if self._model is not None and not self._model.get("ready"):
-            self._model = {**self._model, "ready": True}
+        if self._model is not None and not self._model.get("ready"):  # (and when: the first ready peer's weights are
+            self._model = {**self._model, "ready": True, "ready_at": get_dht_time()}  # where a new swarm starts)
             self.publish_model(force=True)
 
     def wait_for_peers(self) -> int:
@@ -326,20 +332,62 @@ class Swarm:
         return self.optimizer
 
     def catch_up(self) -> bool:
-        """Download the swarm's state if other peers are training; return True if state was loaded."""
+        """Download the swarm's state if other peers are training; return True if state was loaded. A swarm still at
+        its first step starts from the weights of the peer that was ready first (`_start_together`)."""
         if self.optimizer is None:
             raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         tracker = self.optimizer.tracker
         tracker.refresh_now()  # the tracker's first fetch may not have happened yet
         others = [peer for peer in {**tracker.active_peers, **tracker.ignored_records} if peer != self.peer_id]
         served = newest_served_step(self.dht, self.run_id)  # e.g. an auxiliary peer restarted from a checkpoint
-        if not others and max(tracker.global_epoch, served) <= self.optimizer.local_epoch:
+        swarm_step = max(tracker.global_epoch, served)
+        if not others and swarm_step <= self.optimizer.local_epoch:
             return False
+        if swarm_step == 0 == self.optimizer.local_epoch:
+            started = self._start_together()
+            if started is not None:
+                return started
         logger.info(
-            f"Swarm {self.run_id!r} is at step {max(tracker.global_epoch, served)} with {len(others)} other "
-            "training peer(s); downloading its state before training"
+            f"Swarm {self.run_id!r} is at step {swarm_step} with {len(others)} other training peer(s); downloading "
+            "its state before training"
         )
         self.optimizer.load_state_from_peers()
+        return True
+
+    def _start_together(self) -> bool | None:
+        """Peers of a swarm at its first step start from the weights of the peer that was ready first: it keeps its
+        own, a peer holding the same weights (a digest of them is in the model records) downloads nothing, the others
+        download that peer's state. Each used to download the state of whichever peer served the highest priority, all
+        0 at the first step: 4 peers starting together each downloaded another's state at once (33 MB each over 100
+        Mbit/s links: seconds, during which the first to finish started its first round without the others), and
+        LoRA adapters, initialized at random, could differ between peers that downloaded from different ones. Returns
+        whether state was loaded, or None when that peer does not serve its state (the usual download then)."""
+        assert self.optimizer is not None
+        records = {peer: record for peer, record in self._model_records().items() if record.get("ready")}
+        if self.peer_id not in records or len(records) < 2:
+            return None
+        first = min(records, key=lambda peer: (records[peer].get("ready_at", math.inf), peer))
+        own, theirs = (records[peer].get("weights") for peer in (self.peer_id, first))
+        if first == self.peer_id or (own is not None and own == theirs):
+            whose = "this peer's" if first == self.peer_id else f"the same as those of peer {first}, ready first"
+            logger.info(f"Swarm {self.run_id!r} starts from {whose} weights: nothing to download")
+            return False
+
+        def check(metadata: dict, tensors: list, num_parameters: int) -> str | None:
+            return None
+
+        logger.info(f"Swarm {self.run_id!r} is at its first step: starting from the weights of peer {first}")
+        try:
+            loaded = download_state(
+                self.optimizer, lambda peer, _: peer == first, check, what="starting from the first peer's weights"
+            )
+        except Exception as e:
+            logger.warning(f"Downloading the state of peer {first} failed ({e!r})")
+            loaded = None
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        load_state(self.optimizer, metadata, tensors, step=int(metadata["epoch"]))
         return True
 
     def publish_metrics(self, loss: float | None) -> MetricsRecord | None:

@@ -400,7 +400,14 @@ class SwarmOptimizer(hivemind.Optimizer):
                 tracker.refresh_now()
                 seen = self._contributions()
                 reported = {c.peer: c.samples for c in seen}
-                in_place = reported.get(own_id) == own.samples and all(samples > 0 for samples in reported.values())
+                # settled: every peer computed its share (the same rule for all, from their records), the total is
+                # still short. A peer still computing its share (one that began later, or slower) is waited for: with
+                # only "every peer reported some samples", a peer that began 1.2 s after the other filled the
+                # "shortfall" while the other was computing its second batch (20 samples for a target of 16)
+                done = all(
+                    share_done(c.samples, batch, share_of_target(tracker.target_batch_size, c, seen)) for c in seen
+                )
+                in_place = reported.get(own_id) == own.samples and done
                 settled = settled + 1 if in_place and seen == last_seen else 0
                 last_seen = seen
                 if settled >= SETTLED_FETCHES and fills_shortfall(own_id, seen, tracker.target_batch_size, batch):
