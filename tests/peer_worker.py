@@ -324,6 +324,8 @@ def main(spec_path: str) -> int:
         "train_loss": result.training_loss,
         "averaging_rounds": trainer.swarm.optimizer.averaging_rounds(),  # type: ignore[union-attr]
     }
+    if spec.get("toy_grad") is not None:  # the model as train() left it
+        done["values"] = trainer.model.w.detach().tolist()
     if spec.get("eval_blocks"):
         done["eval_loss_begin"] = begin_loss
         done["eval_loss"] = eval_loss(trainer.model, dataset, spec["eval_blocks"])
