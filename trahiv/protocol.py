@@ -35,7 +35,8 @@ def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
     stride = max(1, -(-sum(t.numel() for t in tensors) // DIGEST_VALUES))
     digest = hashlib.blake2b(digest_size=8)
     for tensor in tensors:
-        digest.update(tensor.detach().reshape(-1)[::stride].contiguous().view(torch.uint8).numpy().data)
+        values = tensor.detach().reshape(-1)[::stride].contiguous().cpu()  # (a GPU's tensors: the model's weights)
+        digest.update(values.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
