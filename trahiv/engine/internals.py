@@ -290,6 +290,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.optim.progress_tracker:ProgressTracker", "fetched_global_progress_this_epoch", "instance", None),
     Internal("hivemind.optim.progress_tracker:ProgressTracker", "lock_global_progress", "instance", None),
     Internal("hivemind.optim.progress_tracker:ProgressTracker", "global_progress", "instance", None),
+    Internal("hivemind.optim.progress_tracker:ProgressTracker", "performance_ema", "instance", None),
     Internal("hivemind.averaging.control:StepControl", "stage", "attribute", None),
     Internal("hivemind.averaging.control:StepControl", "triggered", "attribute", None),
     Internal("hivemind.averaging.control:StepControl", "weight", "attribute", None),
