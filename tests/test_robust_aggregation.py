@@ -230,26 +230,34 @@ def test_a_peer_past_the_rounds_step_is_capped_by_the_target_not_its_new_record(
     assert reported_sample_caps(wrapped, [a, b], now, round_epoch=3, moved_on_cap=41.0) == {a: 21.0, b: 41.0}
 
 
-def test_the_tracker_hands_a_round_each_peers_record_of_the_rounds_step():
-    """SwarmOptimizer gives its gradient averager, for the round of step k, each peer's last record *of step k*, so a
-    peer that already moved on still counts with what it accumulated for k."""
+def test_the_tracker_hands_a_round_each_peers_latest_record():
+    """SwarmOptimizer gives its gradient averager, for the round of step k, each peer's latest record: a peer that
+    already moved on is capped by the target, not by what was last read of its step k, which may be stale: here b's
+    announcement (0 samples) of step 7, read before its reports of 8 samples, would cap it at 1."""
     from types import SimpleNamespace
 
+    from hivemind.p2p import PeerID
     from hivemind.utils.timed_storage import ValueWithExpiration
 
     from trahiv.engine.optimizer import SwarmProgressTracker
 
     tracker = object.__new__(SwarmProgressTracker)  # only its record memory: no DHT
-    tracker._by_epoch, tracker.local_progress = {}, SimpleNamespace(epoch=7)
+    tracker._latest, tracker.local_progress = {}, SimpleNamespace(epoch=7)
+    ids = {name: PeerID(name.encode() * 8) for name in "abcd"}
 
     def fetch(**peers: tuple[int, int]) -> None:
-        tracker._remember_by_epoch({
-            name.encode(): ValueWithExpiration({"peer_id": name.encode(), "epoch": epoch, "samples_accumulated": n}, 0)
+        tracker._remember_latest({
+            name.encode(): ValueWithExpiration({"peer_id": ids[name].to_bytes(), "epoch": epoch,
+                                                "samples_accumulated": n, "samples_per_second": 1e-20, "time": 0.0}, 0)
             for name, (epoch, n) in peers.items()
         })  # fmt: skip
 
-    fetch(a=(7, 4), b=(7, 10), c=(5, 3))
-    fetch(a=(7, 16), b=(8, 1), c=(6, 2))  # b finished step 7; c, behind, is still at step 6
-    records = tracker.records_for_round(7)
-    assert {key: entry.value["samples_accumulated"] for key, entry in records.items()} == {b"a": 16, b"b": 10, b"c": 2}
-    assert set(tracker._by_epoch[b"c"]) == {6}  # steps before the previous one are forgotten
+    fetch(a=(7, 4), b=(7, 0), c=(5, 3), d=(4, 1))
+    fetch(a=(7, 8), b=(8, 4), c=(6, 2))  # b finished step 7 (and carried 4 samples over); c, behind, is at step 6
+    fetch(a=(7, 8), b=(7, 0), c=(6, 2))  # a lagging replica's older record of b
+    records = tracker.records_for_round()
+    by_peer = {entry.value["peer_id"]: (entry.value["epoch"], entry.value["samples_accumulated"]) for entry in
+               records.values()}  # fmt: skip
+    assert by_peer == {ids["a"].to_bytes(): (7, 8), ids["b"].to_bytes(): (8, 4), ids["c"].to_bytes(): (6, 2)}
+    caps = reported_sample_caps(records, [ids["a"], ids["b"], ids["c"]], 0.0, round_epoch=7, moved_on_cap=21.0)
+    assert caps == {ids["a"]: 11.0, ids["b"]: 21.0, ids["c"]: 3.5}  # (d, 3 steps behind, is forgotten)

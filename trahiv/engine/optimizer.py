@@ -113,7 +113,7 @@ class SwarmProgressTracker(ProgressTracker):
         self.unconfirmed_epoch = 0
         self.peer_filter: Callable[[], set[str] | None] | None = None  # after a revert: the peers that applied it
         self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
-        self._by_epoch: dict[Any, dict[int, tuple[Any, Any]]] = {}  # peer -> step -> (subkey, record) last read
+        self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         super().__init__(*args, **kwargs)
 
     @property
@@ -164,28 +164,29 @@ class SwarmProgressTracker(ProgressTracker):
             found = self.dht.get(self.training_progress_key, latest=True)
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
 
-    def records_for_round(self, epoch: int) -> dict[Any, Any]:
-        """The progress records (the DHT's form) that say what each peer accumulated for step `epoch`: its record of
-        that step as last read, else its latest. A peer that finished the step moved its record on (to 0 samples of
-        the next one): the round's weight caps must not read that (trahiv.averaging.robust.reported_sample_caps)."""
-        return dict(by_epoch.get(epoch) or by_epoch[max(by_epoch)] for by_epoch in self._by_epoch.values())
+    def records_for_round(self) -> dict[Any, Any]:
+        """Each peer's latest progress record as read (the DHT's form), for the weight caps of this peer's next
+        gradient round (trahiv.averaging.robust.reported_sample_caps): a peer whose record is of a later step than the
+        round's already finished it and is capped by the target. Its last-read record of the round's step is not used:
+        it can be stale (read before the peer's last reports of that step). In background mode a peer that finished its
+        share and moved on between two fetches of the other was capped by its announcement (0 samples): weight 1
+        against the other's 8, its gradients nearly dropped (a 2-peer test of compute-while-waiting)."""
+        return dict(entry for _, entry in self._latest.values())
 
-    def _remember_by_epoch(self, metadata: Any) -> None:
+    def _remember_latest(self, metadata: Any) -> None:
         for key, entry in metadata.items() if isinstance(metadata, dict) else ():
             value = getattr(entry, "value", None)
             if not isinstance(value, dict):
                 continue
             epoch, peer = value.get("epoch"), value.get("peer_id")
             if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(peer, bytes):
-                self._by_epoch.setdefault(peer, {})[epoch] = (key, entry)
-        for peer, by_epoch in list(self._by_epoch.items()):  # the last two steps are enough (this one, the previous)
-            for epoch in [e for e in by_epoch if e < self.local_progress.epoch - 1]:
-                del by_epoch[epoch]
-            if not by_epoch:
-                del self._by_epoch[peer]
+                if peer not in self._latest or epoch >= self._latest[peer][0]:  # (a lagging replica never goes back)
+                    self._latest[peer] = (epoch, (key, entry))
+        for peer in [p for p, (epoch, _) in self._latest.items() if epoch < self.local_progress.epoch - 1]:
+            del self._latest[peer]  # left, or far behind: as hivemind's records, only the current ones count
 
     def _parse_swarm_progress_data(self, metadata: Any):
-        self._remember_by_epoch(metadata)
+        self._remember_latest(metadata)
         records = self._trusted_records(self._well_formed_records(metadata))
         sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
         progress = super()._parse_swarm_progress_data(sanitized)
@@ -449,7 +450,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             return
         self._key_rounds_by_step()
         if isinstance(self.grad_averager, RobustGradientAverager | RobustPowerSGDGradientAverager):  # weight caps
-            self.grad_averager.use_reported_progress(self.tracker.records_for_round(self.local_epoch), self.local_epoch)
+            self.grad_averager.use_reported_progress(self.tracker.records_for_round(), self.local_epoch)
         self._stepped_alone = self._left_behind = False
         began = time.monotonic()
         try:
