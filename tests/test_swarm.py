@@ -208,10 +208,12 @@ def test_peers_that_start_together_start_from_the_weights_of_the_first_ready(tmp
 def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
     """Background mode (delay_optimizer_step + delay_grad_averaging): the optimizer step of a collaborative step runs
     in the background. When training ends, the model holds every step's update: constant gradient +1 on both peers,
-    SGD with lr 1, 6 steps: the parameters are -6, not -5 (the last update still in flight)."""
+    SGD with lr 1, 6 steps: the parameters are -6, not -5 (the last update still in flight). Every round is complete,
+    and no peer warns that it averaged with nobody (the warning counted a step whose round was still running in the
+    background as a step without averaging: all peers warned after 3 steps, naming a NAT or firewall)."""
     boot = start_bootstrap(tmp_path)
     common = dict(
-        workdir=str(workdir), run_id="background", target=16, max_steps=6, batch_size=4, sleep_per_step=0.1,
+        workdir=str(workdir), run_id="background", target=16, max_steps=6, batch_size=4, sleep_per_step=0.5,
         initial_peers=boot.initial_peers, toy_grad=1.0,
         opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
     )  # fmt: skip
@@ -223,3 +225,6 @@ def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
     for done in (done_a, done_b):
         assert done["global_step"] == 6
         assert done["values"] == pytest.approx([-6.0] * 4, abs=1e-5), done
+        assert done["averaging_rounds"]["complete"] == 6, done
+    for peer in (a, b):  # the rounds end in the background, after their steps: they were not silent
+        assert "has not averaged with anyone" not in peer.log(), peer.name

@@ -6,6 +6,7 @@ averages) and skipping parameter rounds that cannot form. They wrap hivemind 1.1
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -22,7 +23,9 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     watch = SilenceWatch(rounds, client_mode=bool(optimizer.client_mode))
     if optimizer.auxiliary or not optimizer.use_gradient_averaging:
         return watch  # parameter averaging only (use_local_updates): rounds are rare, not watched
-    outcome: dict[str, Any] = {"averaged": False, "local": False, "others": {}}
+    outcome: dict[str, Any] = {"averaged": False, "others": {}, "called": False, "stepping": None}
+    local = threading.local()  # did this thread's round fall back to local gradients
+    lock = threading.Lock()  # in background mode (delay_grad_averaging) rounds end in hivemind's thread
 
     def others_now() -> dict[str, bool]:
         own = optimizer.dht.peer_id.to_base58()
@@ -32,25 +35,38 @@ def attach_silence_watch(optimizer: Any, rounds: int = 3) -> SilenceWatch:
     load_local = optimizer._load_local_gradients_into_optimizer
     update_epoch = optimizer._update_global_epoch
 
+    def observe(averaged: bool, seen: dict[str, bool]) -> None:
+        others = [PeerView(peer, client) for peer, client in seen.items()]
+        with lock:
+            unreachable: list[str] = []
+            if watch.due(averaged, others):  # split swarm? peers whose records this peer sees, unreachable
+                servers = [peer.peer_id for peer in others if not peer.client_mode]
+                unreachable = unreachable_peers(optimizer.dht, servers)
+            watch.observe(averaged, others, unreachable)
+
     def averaged(*args: Any, **kwargs: Any) -> Any:  # hivemind falls back to local gradients inside, on failure
-        outcome["local"], outcome["others"] = False, others_now()  # who was there when the round was due
+        local.fell_back = False
+        seen = others_now()  # who was there when the round was due
         result = average(*args, **kwargs)
-        outcome["averaged"] = not outcome["local"]
+        if outcome["stepping"] == threading.get_ident():  # within the step
+            outcome.update(averaged=not local.fell_back, others=seen, called=True)
+        else:  # a round ending in the background, after its step (delay_grad_averaging): observed now
+            observe(not local.fell_back, {**seen, **others_now()})
         return result
 
     def loaded_local(*args: Any, **kwargs: Any) -> Any:
-        outcome["local"] = True
+        local.fell_back = True
         return load_local(*args, **kwargs)
 
     def updated_epoch(*args: Any, **kwargs: Any) -> Any:
-        outcome["averaged"], outcome["others"] = False, {}
-        result = update_epoch(*args, **kwargs)
-        seen = {**outcome["others"], **others_now()}  # (a peer that just left withdrew its progress record)
-        others = [PeerView(peer, client) for peer, client in seen.items()]
-        unreachable: list[str] = []
-        if watch.due(outcome["averaged"], others):  # split swarm? peers whose records this peer sees, unreachable
-            unreachable = unreachable_peers(optimizer.dht, [peer.peer_id for peer in others if not peer.client_mode])
-        watch.observe(outcome["averaged"], others, unreachable)
+        outcome.update(averaged=False, others={}, called=False, stepping=threading.get_ident())
+        try:
+            result = update_epoch(*args, **kwargs)
+        finally:
+            outcome["stepping"] = None
+        if optimizer.delay_grad_averaging and not outcome["called"]:
+            return result  # its round ends in the background: observed there (`averaged`)
+        observe(outcome["averaged"], {**outcome["others"], **others_now()})  # (one that just left withdrew its record)
         return result
 
     optimizer._average_gradients_and_load_into_optimizer = averaged
