@@ -7,7 +7,8 @@ Run (as root):
 
 "Compute" is a sleep of --compute-s per local step (a GPU busy with forward/backward: it does not take this
 machine's CPU), after which the step's gradients of P LoRA-shaped parameters (default 8M) are handed to the swarm's
-optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up).
+optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up), up to the end of
+the one before the last (peers leave as they reach the last).
 Parameter averaging is synchronous in trahiv (delay_state_averaging is refused, see README), so it is moved out of
 the measured window with --average-state-every (default: never within the run) and measured as its own cost.
 
@@ -159,7 +160,9 @@ def run(args: argparse.Namespace) -> dict:
 def summarize(outputs: list[dict], args: argparse.Namespace) -> dict:
     peers = []
     for out in outputs:
-        marks = [m for m in out["marks"] if m[0] >= 2]  # from the end of collaborative step 2 on
+        # from the end of collaborative step 2 to that of the step before the last: the last one ends as the others
+        # leave (a peer still finishing it when they had left computed the rest of it alone: 48 samples, 26 s)
+        marks = [m for m in out["marks"] if 2 <= m[0] <= args.epochs - 1]
         if len(marks) < 2:
             peers.append({"rank": out["rank"], "utilization": None, "marks": len(out["marks"]), **out["metrics"]})
             continue
