@@ -7,8 +7,8 @@ Run (as root):
 
 "Compute" is a sleep of --compute-s per local step (a GPU busy with forward/backward: it does not take this
 machine's CPU), after which the step's gradients of P LoRA-shaped parameters (default 8M) are handed to the swarm's
-optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up), up to the end of
-the one before the last (peers leave as they reach the last).
+optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up), up to
+the end of the one before the last (peers leave as they reach the last).
 Parameter averaging is synchronous in trahiv (delay_state_averaging is refused, see README), so it is moved out of
 the measured window with --average-state-every (default: never within the run) and measured as its own cost.
 
