@@ -194,7 +194,7 @@ def test_peers_that_start_together_start_from_the_weights_of_the_first_ready(tmp
         assert "downloading its state before training" not in log, peer.name
         if peer.name == keeps[0]:
             continue
-        same = f"the same as those of peer {first}, ready first" in log
+        same = f"the weights of peer {first} (ready first), the same as this peer's" in log
         loaded = f"starting from the weights of peer {first}" in log
         same_weights = {peer.name, keeps[0]} == {"a", "b"}
         assert (same, loaded) == (same_weights, not same_weights), (peer.name, keeps[0], log[-2000:])

@@ -377,17 +377,17 @@ class Swarm:
         first = min(records, key=lambda peer: (records[peer].get("ready_at", math.inf), peer))
         own, theirs = (records[peer].get("weights") for peer in (self.peer_id, first))
         if first == self.peer_id or (own is not None and own == theirs):
-            whose = "this peer's" if first == self.peer_id else f"the same as those of peer {first}, ready first"
-            logger.info(f"Swarm {self.run_id!r} starts from {whose} weights: nothing to download")
+            whose = "this peer's weights" if first == self.peer_id else f"the weights of peer {first} (ready first)"
+            same = "" if first == self.peer_id else ", the same as this peer's"
+            logger.info(f"Swarm {self.run_id!r} starts from {whose}{same}: nothing to download")
             return False
-
-        def check(metadata: dict, tensors: list, num_parameters: int) -> str | None:
-            return None
-
         logger.info(f"Swarm {self.run_id!r} is at its first step: starting from the weights of peer {first}")
         try:
             loaded = download_state(
-                self.optimizer, lambda peer, _: peer == first, check, what="starting from the first peer's weights"
+                self.optimizer,
+                lambda peer, _: peer == first,
+                lambda *_: None,
+                what="starting from the first peer's weights",
             )
         except Exception as e:
             logger.warning(f"Downloading the state of peer {first} failed ({e!r})")
