@@ -331,3 +331,37 @@ def test_delayed_optimizer_step_runs_without_delayed_state_averaging():
         assert float(param.detach().max()) < 0  # SGD steps with gradient +1 moved the parameters down
     finally:
         swarm.shutdown()
+
+
+def test_a_running_averaging_step_is_not_garbage_collected():
+    """hivemind 1.1.12 starts each averaging step in the averager process with `asyncio.create_task` and keeps no
+    reference to it; a step waiting on a future that only its own frame holds is a garbage cycle, and the collector
+    destroyed one mid-round in a clean-clone run ("Task was destroyed but it is pending!": the round hung for
+    averaging_timeout). trahiv's step (ReportingMixin._step) holds itself while it runs."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from trahiv.engine.averagers import ReportingMixin
+
+    class Waiting:
+        async def _step(self, *, step, future_for_init):
+            await asyncio.get_running_loop().create_future()  # (hivemind awaits its matchmaking and trigger futures)
+
+    class Averager(ReportingMixin, Waiting):
+        pass
+
+    async def main() -> bool:
+        step = SimpleNamespace(done=lambda: False)
+        task = asyncio.get_running_loop().create_task(object.__new__(Averager)._step(step=step, future_for_init=None))
+        alive = weakref.ref(task)
+        del task  # as hivemind does: nothing holds the task
+        await asyncio.sleep(0.01)  # the step runs up to its wait
+        gc.collect()
+        survived = alive() is not None and not alive().done()  # type: ignore[union-attr]
+        if survived:
+            alive().cancel()  # type: ignore[union-attr]
+            await asyncio.sleep(0.01)
+        return survived
+
+    assert asyncio.run(main())

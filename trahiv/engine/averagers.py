@@ -58,6 +58,11 @@ from trahiv.engine.traffic import Traffic, TrafficCountingRunner
 fixes.apply()  # the engine's fixes hold wherever its averagers run
 logger = logging.getLogger("trahiv.averaging")
 _ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("trahiv_round_reported")
+# Averaging steps running in this (averager) process. hivemind 1.1.12 starts each as `asyncio.create_task` and keeps
+# no reference to it (DecentralizedAverager._run_internal); asyncio holds tasks weakly, and a step waiting on a future
+# that only its own frame references is a garbage cycle: the garbage collector destroyed one mid-round ("Task was
+# destroyed but it is pending!", a clean-clone run of test_aux_auth.py): the round hung to averaging_timeout (30 s).
+_RUNNING_STEPS: set[asyncio.Task] = set()
 CAPS_FETCH_TIMEOUT_S = 2.0
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
 SERVE_BEFORE_SHUTDOWN_S = 2.0  # a leaving averager lets the parts it reduces reach their senders for this long
@@ -554,9 +559,13 @@ class ReportingMixin:
         counted it). A step cancelled by its owner (e.g. no other peer was left) is not a failure."""
         started, reported = time.perf_counter(), [False]
         token = _ROUND_REPORTED.set(reported)  # child tasks share the list: _report_round marks it
+        running = asyncio.current_task()
+        if running is not None:
+            _RUNNING_STEPS.add(running)  # (see _RUNNING_STEPS: not collected while it runs)
         try:
             await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
         finally:
+            _RUNNING_STEPS.discard(running)  # type: ignore[arg-type]
             _ROUND_REPORTED.reset(token)
             error = step.exception() if step.done() and not step.cancelled() else None
             if error is not None and not reported[0]:
