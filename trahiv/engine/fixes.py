@@ -29,8 +29,9 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    default): ~400 lookups a second on loopback (1,061 in 2.5 s in tests/test_dht_traffic.py), each answered by the
    other DHT nodes. In a 4-peer swarm that overlapped the parameter round that ends every `average_state_every`-th
    step (the peers that finished it first look for the next gradient group), and the DHT processes used 0.74 CPU-s in
-   that round against 0.04 in a gradient round (benchmarks/averaging_round.py --engines swarm). Lookups of one averager's group key are now at
-   least `MATCHMAKING_LOOKUP_PERIOD` apart: a follower finds a new leader that much later at most.
+   that round against 0.04 in a gradient round (benchmarks/averaging_round.py --engines swarm). Lookups of one
+   averager's group key are now at least `MATCHMAKING_LOOKUP_PERIOD` apart: a follower finds a new leader that much
+   later at most.
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
