@@ -27,6 +27,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -182,6 +183,8 @@ def peer_worker(spec: dict) -> dict:
     from trahiv.demo import BlockDataset
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("debug"):  # trahiv's debug lines in the peer's log: shares, waits for the others' reports
+        logging.getLogger("trahiv.swarm").setLevel(logging.DEBUG)
     if spec.get("no_progress_refresh"):  # A/B: without SwarmOptimizer's progress re-fetch near the target
         from trahiv.engine.optimizer import SwarmOptimizer
 
@@ -383,6 +386,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=540, help="seconds for the whole swarm run")
     parser.add_argument("--output", help="also write the JSON there")
     parser.add_argument("--keep", help="work in this folder and keep it (logs of every process), not a temporary one")
+    parser.add_argument("--debug", action="store_true", help="peers log trahiv's debug lines (with --keep)")
     parser.add_argument("--no-progress-refresh", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
@@ -421,6 +425,7 @@ def main() -> None:
             "state_compression": args.state_compression or args.compression,
             "averaging_timeout": args.averaging_timeout, "min_peers_timeout": 120.0, "opt": json.loads(args.opt),
             "threads": max(1, cores // args.peers), "no_progress_refresh": args.no_progress_refresh,
+            "debug": args.debug,
         }  # fmt: skip
         started = time.monotonic()
         peers = [

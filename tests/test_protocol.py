@@ -13,6 +13,8 @@ from trahiv.protocol import (
     ready_peers,
     share_done,
     share_of_target,
+    silent_too_long,
+    stopped_at_share,
 )
 
 
@@ -59,6 +61,33 @@ def test_a_shortfall_is_filled_once_by_the_peers_furthest_below_their_share():
     assert [fills_shortfall(p.peer, peers, 24, 2) for p in peers] == [True, True, True]
     assert [fills_shortfall(p.peer, peers, 24, 4) for p in peers] == [True, True, False]
     assert not any(fills_shortfall(p.peer, peers, 18, 2) for p in peers)  # the target is reached: nobody
+
+
+def test_a_peer_that_stopped_at_its_share_stays_done_while_the_rates_move():
+    """benchmarks/convergence.py's step 14 (before): a peer stopped at 4 samples for a share of 4.98 (batches of 2);
+    the next records put its share at 5.02, the others waited for a batch it would never compute, until a wait gave
+    up 2.2 s later and the step overshot."""
+    now = 100.0
+    stopped = Contribution(b"a", 4, 30.0, now - 0.1)  # reported 0.1 s ago: not silent for long
+    assert not share_done(4, 2, 5.02)  # the strict rule a peer stops by
+    assert stopped_at_share(stopped, 2, 4.98, now) and stopped_at_share(stopped, 2, 5.02, now)
+    assert stopped_at_share(stopped, 2, 5.49, now) and not stopped_at_share(stopped, 2, 5.51, now)  # slack: 1/4 batch
+    # silent for 2 of its local steps (2 samples at 30/s: 0.067 s each) + 0.3 s: it stopped, whatever the share says
+    assert stopped_at_share(stopped._replace(time=now - 0.44), 2, 8.0, now)
+    assert not stopped_at_share(stopped._replace(time=now - 0.40), 2, 8.0, now)
+    # a peer that has not computed a batch of this step yet (a slow start, an evaluation) is waited for
+    assert not stopped_at_share(Contribution(b"b", 0, 30.0, now - 5.0), 2, 8.0, now)
+
+
+def test_silence_counts_from_the_start_of_this_peers_step():
+    """A peer that waited 2.5 s at the end of the last step for the others' reports, then averaged, reported nothing
+    meanwhile: as this peer's next step begins, its record is 3 s old, and its first report of the step is still on
+    its way. It was taken for gone (benchmarks/convergence.py: the fresh peers computed its part, steps of 56-92
+    samples for 32); counted from the start of this peer's step, it is not, unless silent for the allowance since."""
+    record_time, step_began, allowance = 100.0, 103.0, 1.7
+    assert not silent_too_long(record_time, step_began, 103.3, allowance)  # 3.3 s after its record: not gone
+    assert silent_too_long(record_time, step_began, 104.8, allowance)  # silent 1.8 s into this step: gone
+    assert silent_too_long(100.0, 0.0, 101.8, allowance)  # a record older than the allowance in the same step
 
 
 def test_expected_in_round_is_this_peer_and_the_trainers_at_the_step_or_behind_it():

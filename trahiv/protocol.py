@@ -20,7 +20,9 @@ __all__ = [
     "ready_peers",
     "share_done",
     "share_of_target",
+    "silent_too_long",
     "state_priority",
+    "stopped_at_share",
     "tensors_digest",
     "trusted_epoch",
 ]
@@ -83,11 +85,13 @@ MIN_RATE = 1e-6  # samples per second: below this, a peer has not measured its t
 
 
 class Contribution(NamedTuple):
-    """One trainer's progress record in the current step: who, samples so far, samples per second."""
+    """One trainer's progress record in the current step: who, samples so far, samples per second, and when it
+    reported them (DHT time)."""
 
     peer: bytes
     samples: int
     rate: float
+    time: float = 0.0
 
 
 def share_of_target(target: int, own: Contribution, contributions: Sequence[Contribution]) -> float:
@@ -98,11 +102,28 @@ def share_of_target(target: int, own: Contribution, contributions: Sequence[Cont
     return target * max(own.rate, 0.0) / sum(c.rate for c in contributions)
 
 
-def share_done(samples: int, batch: int, share: float) -> bool:
+SHARE_SLACK = 0.25  # of a batch: how far a share may move (the reported rates change) before a done peer is not done
+STOPPED_STEPS, STOPPED_MARGIN = 2, 0.3  # a peer silent for 2 of its local steps + 0.3 s stopped computing
+
+
+def share_done(samples: int, batch: int, share: float, slack: float = 0.0) -> bool:
     """Whether a peer that accumulated `samples` (in batches of `batch`) computed its share of the step: its samples
     are the multiple of its batch nearest to the share (the nearest, not the next: rounding every peer's share up
-    added half a batch per peer, 12-25% of a 4-peer step of 4 batches each)."""
-    return samples > 0 and samples + batch / 2 > share
+    added half a batch per peer, 12-25% of a 4-peer step of 4 batches each). `slack` (a fraction of a batch) allows
+    for a share that grew since the peer stopped (`stopped_at_share`)."""
+    return samples > 0 and samples + batch / 2 + slack * batch > share
+
+
+def stopped_at_share(contribution: Contribution, batch: int, share: float, now: float) -> bool:
+    """Whether a peer, as its latest record shows it, stopped computing for this step: it computed its share within
+    SHARE_SLACK, or it has reported samples in this step and then nothing for STOPPED_STEPS of its local steps (plus
+    STOPPED_MARGIN). Shares follow the rates in the records, which change with every report: a peer that stopped at
+    4 samples for a share of 4.98 (batches of 2) had a share of 5.02 in the next records, the others waited for it to
+    compute a batch it never would, and the step ended only when a wait gave up (benchmarks/convergence.py)."""
+    c = contribution
+    if share_done(c.samples, batch, share, SHARE_SLACK):
+        return True
+    return c.samples > 0 and c.rate >= MIN_RATE and now - c.time > STOPPED_STEPS * batch / c.rate + STOPPED_MARGIN
 
 
 def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: int, batch: int) -> bool:
@@ -120,6 +141,16 @@ def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: i
         if contribution.peer == own:
             return True
     return False
+
+
+def silent_too_long(record_time: float, step_began: float, now: float, allowance: float) -> bool:
+    """Whether a trainer whose latest progress record is from `record_time` is taken for gone (frozen or killed: its
+    record outlives it) by a peer whose own step began at `step_began`: silent for more than `allowance` seconds,
+    counted from the record or from the start of this peer's step, whichever is later. A peer that waited for the
+    others' reports at the end of the last step reported nothing while it waited and averaged; counted from its last
+    record, the others took it for gone as the next step began, before its first report of that step reached them,
+    and computed its part of the step too (benchmarks/convergence.py: steps of 56-92 samples for a target of 32)."""
+    return now - max(record_time, step_began) > allowance
 
 
 def expected_in_round(own: bytes, records: Iterable[tuple[bytes, int]], epoch: int) -> list[bytes]:

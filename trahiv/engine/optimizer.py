@@ -49,7 +49,9 @@ from trahiv.protocol import (
     peer_tiebreak,
     share_done,
     share_of_target,
+    silent_too_long,
     state_priority,
+    stopped_at_share,
     trusted_epoch,
 )
 
@@ -266,6 +268,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._hold_released: int | None = None  # the step in which waiting for the others' reports gave up
         self._last_batch = 0  # samples in this peer's last accumulated batch
         self._last_transition_s = 0.0  # seconds this peer's last step transition (its averaging rounds) took
+        self._step_began = 0.0  # DHT time at which this peer's current step began (its last transition ended)
         self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
@@ -344,15 +347,20 @@ class SwarmOptimizer(hivemind.Optimizer):
     # --- samples per step: each peer computes its share of target_batch_size, then waits for the others' reports ---
 
     def _fresh_records(self) -> list[Any]:
-        """The trainers' progress records, less those whose last report is older than this peer's last step transition
+        """The trainers' progress records, less those of peers silent for longer than this peer's last step transition
         (its averaging rounds) plus STALE_STEPS collaborative steps at the swarm's throughput plus STALE_MARGIN: a
-        frozen or killed peer, whose record outlives it, is not waited for (this peer's own record always counts)."""
+        frozen or killed peer, whose record outlives it, is not waited for (this peer's own record always counts).
+        Silence is counted from the start of this peer's step at the earliest (`silent_too_long`)."""
         records = list(self.tracker.active_peers.values())
         swarm_rate = sum(record.samples_per_second for record in records)
         pace = STALE_STEPS * self.tracker.target_batch_size / max(swarm_rate, 1e-9)
         stale = self._last_transition_s + min(pace, HOLD_MAX) + STALE_MARGIN
         now, own = get_dht_time(), self.dht.peer_id.to_bytes()
-        return [record for record in records if record.peer_id == own or now - record.time <= stale]
+        return [
+            record
+            for record in records
+            if record.peer_id == own or not silent_too_long(record.time, self._step_began, now, stale)
+        ]
 
     def _contributions(self) -> list[Contribution]:
         """What the trainers contributed to this peer's step (`_fresh_records`): a peer finishing the previous step
@@ -361,7 +369,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         epoch = self.local_epoch
         return [
             Contribution(
-                record.peer_id, record.samples_accumulated if record.epoch == epoch else 0, record.samples_per_second
+                record.peer_id,
+                record.samples_accumulated if record.epoch == epoch else 0,
+                record.samples_per_second,
+                record.time,
             )
             for record in self._fresh_records()
             if epoch - 1 <= record.epoch <= epoch
@@ -396,25 +407,26 @@ class SwarmOptimizer(hivemind.Optimizer):
         share = share_of_target(tracker.target_batch_size, own, [own, *others])
         if not share_done(own.samples, batch, share):
             return
+        logger.debug(f"Step {self.local_epoch}: share {share:.1f} computed ({own.samples} samples; {len(others)} more)")
         if not self._live_round(self.scheduled_grads):  # the step is near whatever the ETA says: join its group now
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         others_rate = max(sum(c.rate for c in others), 1e-9)
         missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
         deadline = time.monotonic() + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
-        settled, last_seen = 0, None
+        settled, last_seen, target = 0, None, tracker.target_batch_size
         with tracker.performance_ema.pause():  # waiting is not this peer's throughput
             while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
                 time.sleep(PROGRESS_RECHECK_PERIOD)
                 tracker.refresh_now()
                 seen = self._contributions()
                 reported = {c.peer: c.samples for c in seen}
-                # settled: every peer computed its share (the same rule for all, from their records), the total is
-                # still short. A peer still computing its share (one that began later, or slower) is waited for: with
-                # only "every peer reported some samples", a peer that began 1.2 s after the other filled the
-                # "shortfall" while the other was computing its second batch (20 samples for a target of 16)
-                done = all(
-                    share_done(c.samples, batch, share_of_target(tracker.target_batch_size, c, seen)) for c in seen
-                )
+                # settled: every peer stopped at its share (`stopped_at_share`: the same rule for all, from their
+                # records), the total is still short. A peer still computing its share (one that began later, or
+                # slower) is waited for: with only "every peer reported some samples", a peer that began 1.2 s after
+                # the other filled the "shortfall" while the other was computing its second batch (20 samples for a
+                # target of 16)
+                now = get_dht_time()
+                done = all(stopped_at_share(c, batch, share_of_target(target, c, seen), now) for c in seen)
                 in_place = reported.get(own_id) == own.samples and done
                 settled = settled + 1 if in_place and seen == last_seen else 0
                 last_seen = seen
@@ -457,6 +469,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._update_global_epoch(grad_scaler)
         finally:
             self._last_transition_s = time.monotonic() - began  # (the averaging rounds of the step: see _contributions)
+            self._step_began = get_dht_time()
         if self._left_behind:  # the swarm finished the step while this peer looked for a group: take its state
             logger.info(
                 f"The swarm moved on to step {self.tracker.global_epoch} without this peer: downloading its state"
@@ -565,6 +578,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         # its LR schedule: the next step then ran with the previous step's LR, and the logged LR lagged a step
         self.state_averager._update_scheduler()
         self._declare_state(complete=True)
+        self._step_began = get_dht_time()
 
     def _missed_the_round(self) -> bool:
         """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
