@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -44,6 +45,13 @@ def worker(spec: dict) -> None:
     from trahiv.swarm import Swarm, join_addresses, model_fingerprint
 
     torch.set_num_threads(1)
+    if spec.get("debug"):  # trahiv's debug lines on stderr, each with the peer's rank and the time
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"peer {spec['rank']} %(created).3f %(message)s"))
+        trahiv_logger = logging.getLogger("trahiv")
+        trahiv_logger.addHandler(handler)
+        trahiv_logger.setLevel(logging.DEBUG)
+        trahiv_logger.propagate = False
     if spec.get("diloco"):
         return diloco_worker(spec)
     peers, batch = spec["peers"], 1
@@ -140,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
                     "steps_per_epoch": args.steps_per_epoch, "compute_s": args.compute_s, "epochs": args.epochs,
                     "matchmaking_time": args.matchmaking_time, "average_state_every": args.average_state_every,
                     "run_timeout": args.run_timeout, "initial_peers": initial, "diloco": args.diloco,
-                    "overlap": args.overlap,
+                    "overlap": args.overlap, "debug": args.debug,
                     "host": namespaces.ip(rank) if namespaces else "127.0.0.1",
                 }  # fmt: skip
                 cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
@@ -190,6 +198,7 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=400.0)
     parser.add_argument("--diloco", type=int, default=0, help="DiLoCo mode with this many inner steps (H)")
     parser.add_argument("--overlap", action="store_true", help="DiLoCo: sync in the background (`overlap`)")
+    parser.add_argument("--debug", action="store_true", help="peers print trahiv's debug lines on stderr")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -228,3 +228,34 @@ def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
         assert done["averaging_rounds"]["complete"] == 6, done
     for peer in (a, b):  # the rounds end in the background, after their steps: they were not silent
         assert "has not averaged with anyone" not in peer.log(), peer.name
+
+
+def test_the_last_batch_of_a_step_is_announced_as_it_begins(tmp_path, workdir):
+    """Background mode, 2 peers of equal speed (1.2 s a local step), target 16 = 2 batches of 4 each; peer a stalls
+    1 s as step 2 begins (a fault at a named step), so b computes its share first and waits. a publishes the samples
+    of its last batch of the step as that batch begins (SwarmProgressTracker.promise): b leaves the step while a is
+    still computing it, instead of waiting for a's final report (a report's trip, 0.1-0.5 s, lost by every waiting
+    peer at every step). Every step takes exactly the target, every round is complete and every update applied
+    (constant gradients: the parameters are exactly -4)."""
+    sleep = 1.2
+    boot = start_bootstrap(tmp_path)
+    common = dict(
+        workdir=str(workdir), run_id="promise", target=16, max_steps=4, batch_size=4, sleep_per_step=sleep,
+        initial_peers=boot.initial_peers, toy_grad=1.0,
+        opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
+    )  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", faults=[{"kind": "stall", "at_step": 2, "seconds": 1.0}], **common)
+        b = start_peer(tmp_path, "b", **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        boot.stop()
+    for done in (done_a, done_b):
+        assert done["global_step"] == 4
+        assert done["values"] == pytest.approx([-4.0] * 4, abs=1e-5), done
+        assert done["averaging_rounds"]["complete"] == 4, done
+    assert samples_per_epoch([a, b]) == {step: 16 for step in range(4)}
+    [a_last] = [row for row in a.records("local") if row["epoch_before"] == 2 and row["epoch_after"] == 3]
+    [b_left] = [row for row in b.records("local") if row["epoch_before"] == 2 and row["epoch_after"] == 3]
+    # a's last batch of step 2 was computed when its step() began; b's step() returned `sleep` before its record
+    assert b_left["t"] - sleep < a_last["began"], (b_left, a_last)
