@@ -130,7 +130,7 @@ def worker(spec: dict) -> None:
     peers, batch = spec["peers"], spec["batch"]
     config = HivemindConfig.model_validate({
         "dht": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "initial_peers": spec["initial_peers"],
-                "nat_port_map": False},
+                "nat_port_map": False, **spec["dht"]},
         "opt": {"run_id": "swarm_cost", "target_batch_size": peers * batch, "batch_size_per_step": batch,
                 "min_peers": peers, "min_peers_timeout": spec["ready_timeout"]},
     })  # fmt: skip  # everything else: the Trainer's defaults (metrics published, state averaged every 5 steps)
@@ -309,7 +309,7 @@ def run_swarm(n: int, args: argparse.Namespace, logdir: Path) -> dict:
     started = time.monotonic()
     spec = {"peers": n, "params": args.params, "batch": args.batch, "steps": args.steps, "compute_s": args.compute_s,
             "run_timeout": args.run_timeout, "ready_timeout": args.ready_timeout, "keepalive_s": args.keepalive_s,
-            "initial_peers": []}  # fmt: skip
+            "initial_peers": [], "dht": json.loads(args.dht)}  # fmt: skip
     try:
         for rank in range(n):  # one at a time until its DHT runs: 16 imports of torch at once time out on 2 cores
             peers.append(Peer(rank, {**spec, "rank": rank}, logdir))
@@ -457,6 +457,7 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=600.0, help="bound on the 'rounds' phase")
     parser.add_argument("--exit-grace-s", type=float, default=20.0, help="wait for a peer to leave before killing it")
     parser.add_argument("--min-free-gb", type=float, default=3.0, help="memory to leave free on the machine")
+    parser.add_argument("--dht", default="{}", help='extra hivemind_config["dht"] entries (JSON), e.g. bucket_size')
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     parser.add_argument("--logdir", type=Path, help="keep the peers' logs here (default: a temporary directory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -96,6 +96,13 @@ class DHTConfig(_Section):
     )
     wait_timeout: float = Field(3.0, gt=0, description="seconds to wait for one DHT RPC")
     num_workers: int = Field(4, ge=1, description="parallel DHT requests")
+    bucket_size: int = Field(
+        8,
+        ge=2,
+        le=64,
+        description="Kademlia's k: peers per routing-table bucket and how many nearest peers a lookup asks (8, as "
+        "BitTorrent's DHT; hivemind's default 20 made every lookup ask every peer of a swarm of up to ~20)",
+    )
     quic: bool | None = Field(None, description="also use QUIC (UDP) transport")
     tls: bool = Field(True, description="encrypt connections with TLS")
 
