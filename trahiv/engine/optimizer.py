@@ -428,12 +428,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             if not tracker.promised and share_done(own.samples + batch, batch, share):
                 tracker.promise(batch)  # the next batch completes this peer's share: the others learn it now
                 logger.debug(f"Step {self.local_epoch}: promised {batch} ({own.samples} samples, share {share:.1f})")
-                if not self._live_round(self.scheduled_grads):
-                    self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+                self._join_round_now()
             return
         logger.debug(f"Step {self.local_epoch}: share {share:.1f} computed ({own.samples} samples; {len(others)} more)")
-        if not self._live_round(self.scheduled_grads):  # the step is near whatever the ETA says: join its group now
-            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+        self._join_round_now()
         others_rate = max(sum(c.rate for c in others), 1e-9)
         missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
         deadline = time.monotonic() + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
@@ -459,6 +457,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not tracker.ready_to_update_epoch:
             self._hold_released = self.local_epoch
             logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
+
+    def _join_round_now(self) -> None:
+        """The step is about to be complete, whatever hivemind's ETA says: look for this step's group now."""
+        if not self._live_round(self.scheduled_grads):
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
 
     def _key_rounds_by_step(self) -> None:
         """Matchmaking of this step's rounds is keyed by the step (see EpochKeyedMatchmaking): the gradient round that
