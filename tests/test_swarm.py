@@ -231,13 +231,13 @@ def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
 
 
 def test_the_last_batch_of_a_step_is_announced_as_it_begins(tmp_path, workdir):
-    """Background mode, 2 peers of equal speed (1.2 s a local step), target 16 = 2 batches of 4 each; peer a stalls
+    """Background mode, 2 peers of equal speed (0.8 s a local step), target 16 = 2 batches of 4 each; peer a stalls
     1 s as step 2 begins (a fault at a named step), so b computes its share first and waits. a publishes the samples
     of its last batch of the step as that batch begins (SwarmProgressTracker.promise): b leaves the step while a is
     still computing it, instead of waiting for a's final report (a report's trip, 0.1-0.5 s, lost by every waiting
     peer at every step). Every step takes exactly the target, every round is complete and every update applied
     (constant gradients: the parameters are exactly -4)."""
-    sleep = 1.2
+    sleep = 0.8
     boot = start_bootstrap(tmp_path)
     common = dict(
         workdir=str(workdir), run_id="promise", target=16, max_steps=4, batch_size=4, sleep_per_step=sleep,

@@ -42,6 +42,7 @@ from trahiv.engine.averagers import (
 from trahiv.engine.gate import gated
 from trahiv.engine.state import download_state, load_state
 from trahiv.protocol import (
+    MIN_RATE,
     Contribution,
     expected_in_round,
     fills_shortfall,
@@ -78,6 +79,7 @@ RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that lef
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
 STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the swarm's pace + 1 s: not waited for
+PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins (`_may_promise`)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 
 
@@ -425,7 +427,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         others = [c for c in contributions if c.peer != own_id]
         share = share_of_target(tracker.target_batch_size, own, [own, *others])
         if not share_done(own.samples, batch, share):
-            if not tracker.promised and share_done(own.samples + batch, batch, share):
+            if self._may_promise(own, batch) and share_done(own.samples + batch, batch, share):
                 tracker.promise(batch)  # the next batch completes this peer's share: the others learn it now
                 logger.debug(f"Step {self.local_epoch}: promised {batch} ({own.samples} samples, share {share:.1f})")
                 self._join_round_now()
@@ -457,6 +459,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not tracker.ready_to_update_epoch:
             self._hold_released = self.local_epoch
             logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
+
+    def _may_promise(self, own: Contribution, batch: int) -> bool:
+        """Whether this peer may announce its next batch as it begins (SwarmProgressTracker.promise): once a step, in
+        background mode (where the others go on computing meanwhile), and for a batch of at most PROMISE_MAX_S at its
+        rate. The others start their round as they see the step complete, and their reducers wait for this peer's
+        part only so long: in synchronous mode a peer on a busy machine that took 2.7 s for its promised batch left
+        the other's round partial (tests/test_swarm.py, fast steps with a core kept busy, once in a clean-clone run),
+        and with slow batches the report's trip it saves is a small part of a step anyway."""
+        if self.tracker.promised or not self.delay_grad_averaging:
+            return False
+        return batch <= PROMISE_MAX_S * max(own.rate, MIN_RATE)
 
     def _join_round_now(self) -> None:
         """The step is about to be complete, whatever hivemind's ETA says: look for this step's group now."""
