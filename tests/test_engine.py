@@ -181,6 +181,44 @@ def test_throughput_is_measured_from_the_start_of_training(measure_from_start, m
         swarm.shutdown()
 
 
+@pytest.mark.parametrize("skip_first", [True, False], ids=["trahiv", "hivemind"])
+def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, monkeypatch):
+    """The first batch's time (the data loader's start, the first forward's warm-up) says little of a peer's speed:
+    two peers of equal speed measured 1.7x apart, and one computed a third batch of step 0. Until its second batch a
+    peer reports no throughput (the shares are then equal); from then on, step to step. Here the first batch takes
+    1.5 s (its warm-up, the fault this test injects), the next two none: measured from the first batch, the rate stays
+    below 10 samples/s."""
+    from trahiv.config import HivemindConfig
+    from trahiv.engine.optimizer import SwarmProgressTracker
+    from trahiv.protocol import MIN_RATE
+    from trahiv.swarm import Swarm
+
+    if not skip_first:
+        monkeypatch.setattr(SwarmProgressTracker, "start_measuring", lambda self: self.performance_ema.reset_timer())
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": "first_batch", "target_batch_size": 100}}
+    )
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 4)
+        swarm.mark_ready()
+        swarm.catch_up()
+        tracker = optimizer.tracker
+        time.sleep(1.5)  # the first batch's warm-up
+        param.grad = torch.ones(4)
+        optimizer.step(batch_size=4)
+        unmeasured = tracker.local_progress.samples_per_second < MIN_RATE  # what the others read of this peer
+        assert unmeasured == skip_first, tracker.local_progress
+        for _ in range(2):
+            param.grad = torch.ones(4)
+            optimizer.step(batch_size=4)
+        assert (tracker.local_progress.samples_per_second > 10) == skip_first, tracker.local_progress
+        assert tracker.local_progress.samples_accumulated == 12
+    finally:
+        swarm.shutdown()
+
+
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
     """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
     longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then

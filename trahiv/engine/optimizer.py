@@ -119,6 +119,7 @@ class SwarmProgressTracker(ProgressTracker):
         self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
         self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
+        self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         super().__init__(*args, **kwargs)
 
     @property
@@ -144,7 +145,14 @@ class SwarmProgressTracker(ProgressTracker):
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         self.promised = 0  # kept (its samples, counted when promised, accumulated) or replaced by what there is
+        tracker: Any = self  # (hivemind's attributes are untyped)
+        first = self._first_batch_pending and samples_accumulated > tracker.local_progress.samples_accumulated
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        if first:  # not a measure (`start_measuring`): the next batch's time is
+            self._first_batch_pending = False
+            ema: Any = self.performance_ema
+            ema.ema_seconds_per_sample, ema.num_updates, ema.samples_per_second = 0, 0, ema.eps
+            tracker.local_progress = self._get_local_progress(local_epoch, samples_accumulated)
 
     @property
     def estimated_next_update_time(self) -> float:
@@ -176,9 +184,15 @@ class SwarmProgressTracker(ProgressTracker):
 
     def start_measuring(self) -> None:
         """Training begins now: this peer's throughput (samples/s, which its share of each step follows) is measured
-        from here. hivemind measures the first batch from the tracker's creation, through the wait for other peers
-        and the state download: the peer that was ready first reported 12 samples/s against the other's 21 at the
-        same speed, and the two peers' shares of 16 samples (6.1 and 10.1, batches of 4) were both rounded up."""
+        from its first batch's end on. hivemind measures the first batch from the tracker's creation, through the wait
+        for other peers and the state download: the peer that was ready first reported 12 samples/s against the
+        other's 21 at the same speed, and the two peers' shares of 16 samples (6.1 and 10.1, batches of 4) were both
+        rounded up. The first batch itself is no measure either (the data loader's start, the first forward's
+        warm-up; in the tests' workers, which compute after the optimizer step, none of the compute): its time made
+        one of two peers of equal speed seem 1.7x faster than the other, and it computed a third batch of step 0 (20
+        samples for a target of 16, twice in 4 runs with a core kept busy). Until its second batch a peer reports no
+        throughput, and the shares are equal (`trahiv.protocol.share_of_target`)."""
+        self._first_batch_pending = True
         self.performance_ema.reset_timer()
 
     def refresh_now(self) -> None:
