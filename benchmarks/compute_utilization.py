@@ -6,8 +6,10 @@ Run (as root):
     .venv/bin/python benchmarks/compute_utilization.py --peers 4 --bandwidth 100 --compute-s 0.5 --epochs 8
 
 "Compute" is a sleep of --compute-s per local step (a GPU busy with forward/backward: it does not take this
-machine's CPU), after which the step's gradients of P LoRA-shaped parameters (default 8M) are handed to the swarm's
-optimizer. Utilization = compute time / wall time over the collaborative steps after the first two (warm-up), up to
+machine's CPU), after which the step's gradients of P LoRA-shaped parameters (default 8M) are in `.grad` (set, as a
+backward leaves them, without work on this machine's CPU; --copy-grads copies them there instead, 8 ms a local step
+counted as time not computing: the measure before 2026-11-26) and handed to the swarm's optimizer.
+Utilization = compute time / wall time over the collaborative steps after the first two (warm-up), up to
 the end of the one before the last (peers leave as they reach the last).
 Parameter averaging is synchronous in trahiv (delay_state_averaging is refused, see README), so it is moved out of
 the measured window with --average-state-every (default: never within the run) and measured as its own cost.
@@ -79,27 +81,29 @@ def worker(spec: dict) -> None:
     print(json.dumps({"rank": spec["rank"], "marks": marks, "metrics": rounds}), flush=True)
 
 
-def compute_loop(spec: dict, params: list, step: Any, progress: Any) -> list[tuple[int, float, float, float]]:
+def compute_loop(spec: dict, params: list, step: Any, progress: Any) -> list[tuple[int, float, float, float, float]]:
     """Local steps of a fixed compute time (a sleep: forward + backward on an accelerator) until `progress()` (the
     collaborative or the outer step) reaches spec["epochs"]; a mark (progress, time, compute so far, time in `step()`
-    so far) whenever it moves."""
+    so far, of it in the `step()` calls that moved the progress) whenever it moves."""
     import torch
 
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-    marks: list[tuple[int, float, float, float]] = []
-    compute = in_step = 0.0
+    marks: list[tuple[int, float, float, float, float]] = []
+    compute = in_step = in_transitions = 0.0
     deadline = time.monotonic() + spec["run_timeout"]
     while progress() < spec["epochs"] and time.monotonic() < deadline:
         time.sleep(spec["compute_s"])
         compute += spec["compute_s"]
         for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
+            param.grad = grad.clone() if spec["copy_grads"] else grad  # (nothing in the swarm writes into .grad)
         started = time.perf_counter()
         before = progress()
         step()
-        in_step += time.perf_counter() - started
+        took = time.perf_counter() - started
+        in_step += took
         if progress() != before:
-            marks.append((progress(), time.perf_counter(), compute, in_step))
+            in_transitions += took
+            marks.append((progress(), time.perf_counter(), compute, in_step, in_transitions))
     return marks
 
 
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
                     "steps_per_epoch": args.steps_per_epoch, "compute_s": args.compute_s, "epochs": args.epochs,
                     "matchmaking_time": args.matchmaking_time, "average_state_every": args.average_state_every,
                     "run_timeout": args.run_timeout, "initial_peers": initial, "diloco": args.diloco,
-                    "overlap": args.overlap, "debug": args.debug,
+                    "overlap": args.overlap, "debug": args.debug, "copy_grads": args.copy_grads,
                     "host": namespaces.ip(rank) if namespaces else "127.0.0.1",
                 }  # fmt: skip
                 cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
@@ -174,11 +178,11 @@ def summarize(outputs: list[dict], args: argparse.Namespace) -> dict:
         if len(marks) < 2:
             peers.append({"rank": out["rank"], "utilization": None, "marks": len(out["marks"]), **out["metrics"]})
             continue
-        (_, t0, c0, s0), (_, t1, c1, s1) = marks[0], marks[-1]
+        (_, t0, c0, s0, x0), (_, t1, c1, s1, x1) = marks[0], marks[-1]
         peers.append({
             "rank": out["rank"], "collaborative_steps_measured": marks[-1][0] - marks[0][0],
             "utilization": round((c1 - c0) / (t1 - t0), 4), "time_in_step_s": round(s1 - s0, 2),
-            "wall_s": round(t1 - t0, 2), **out["metrics"],
+            "of_it_in_transitions_s": round(x1 - x0, 2), "wall_s": round(t1 - t0, 2), **out["metrics"],
         })  # fmt: skip
     values = [p["utilization"] for p in peers if p["utilization"] is not None]
     return {"min_utilization": min(values, default=None), "peers": peers}
@@ -199,6 +203,7 @@ def main() -> None:
     parser.add_argument("--diloco", type=int, default=0, help="DiLoCo mode with this many inner steps (H)")
     parser.add_argument("--overlap", action="store_true", help="DiLoCo: sync in the background (`overlap`)")
     parser.add_argument("--debug", action="store_true", help="peers print trahiv's debug lines on stderr")
+    parser.add_argument("--copy-grads", action="store_true", help="copy each local step's gradients into .grad")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -219,6 +219,50 @@ def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, 
         swarm.shutdown()
 
 
+def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_older_than_the_recheck_period():
+    """The transition to the next step reads the swarm's progress (who is there to average with?), but not right
+    after a read: the waits at a step's end, and each local step once the step is due, read it every
+    PROGRESS_RECHECK_PERIOD, and the second read (0.03-0.12 s through links busy with the previous round) came right
+    after the first at every step of every peer (benchmarks/compute_utilization.py --debug)."""
+    from trahiv.config import HivemindConfig
+    from trahiv.engine.optimizer import PROGRESS_RECHECK_PERIOD
+    from trahiv.swarm import Swarm
+
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": "reads", "target_batch_size": 2}}
+    )
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 1)
+        swarm.mark_ready()
+        swarm.catch_up()
+        tracker, reads = optimizer.tracker, []
+        read = tracker.refresh_now
+
+        def counted() -> None:
+            reads.append(optimizer.local_epoch)
+            read()
+
+        tracker.refresh_now = counted
+        for epoch in range(2):
+            param.grad = torch.ones(4)
+            optimizer.step(batch_size=1)
+            tracker.read_at = time.monotonic()  # a read just ended (a wait's, or a due local step's)
+            reads.clear()
+            param.grad = torch.ones(4)
+            optimizer.step(batch_size=1)
+            assert optimizer.local_epoch == epoch + 1 and reads == [], reads
+        param.grad = torch.ones(4)
+        optimizer.step(batch_size=1)
+        tracker.read_at -= PROGRESS_RECHECK_PERIOD  # the last read is that period old
+        param.grad = torch.ones(4)
+        optimizer.step(batch_size=1)
+        assert optimizer.local_epoch == 3 and reads == [2], reads
+    finally:
+        swarm.shutdown()
+
+
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
     """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
     longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then

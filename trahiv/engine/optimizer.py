@@ -15,6 +15,7 @@ Protocol (what hivemind 1.1.12 does differently, and why it matters for small, u
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -120,6 +121,7 @@ class SwarmProgressTracker(ProgressTracker):
         self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
+        self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         super().__init__(*args, **kwargs)
 
     @property
@@ -200,6 +202,12 @@ class SwarmProgressTracker(ProgressTracker):
         with self.lock_global_progress:
             found = self.dht.get(self.training_progress_key, latest=True)
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
+            self.read_at = time.monotonic()
+
+    def refresh_if_older(self, seconds: float) -> None:
+        """`refresh_now`, unless this peer's last one ended less than `seconds` ago."""
+        if time.monotonic() - self.read_at >= seconds:
+            self.refresh_now()
 
     def records_for_round(self) -> dict[Any, Any]:
         """Each peer's latest progress record as read (the DHT's form), for the weight caps of this peer's next
@@ -450,7 +458,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._join_round_now()
         others_rate = max(sum(c.rate for c in others), 1e-9)
         missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
-        deadline = time.monotonic() + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
+        held = time.monotonic()
+        deadline = held + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
         settled, last_seen, target = 0, None, tracker.target_batch_size
         with tracker.performance_ema.pause():  # waiting is not this peer's throughput
             while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
@@ -470,6 +479,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 last_seen = seen
                 if settled >= SETTLED_FETCHES and fills_shortfall(own_id, seen, tracker.target_batch_size, batch):
                     return  # compute one more batch: the swarm's reports settled below the target
+        logger.debug(f"Step {self.local_epoch}: held {time.monotonic() - held:.3f} s")
         if not tracker.ready_to_update_epoch:
             self._hold_released = self.local_epoch
             logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
@@ -506,7 +516,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         return expected_in_round(self.dht.peer_id.to_bytes(), records, epoch)
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
-        self.tracker.refresh_now()  # the averaging decision must not rest on a view up to max_refresh_period old
+        began = time.monotonic()
+        # the averaging decision must not rest on a view up to max_refresh_period old; one just read (the waits at the
+        # end of a step read every PROGRESS_RECHECK_PERIOD, and so does each local step once the step is due) is read
+        # again only after that period: the second read, 0.03-0.12 s through links busy with the previous round
+        # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer
+        self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
+        read_s = time.monotonic() - began
         if self._missed_the_round():
             logger.info(
                 f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
@@ -518,12 +534,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         if isinstance(self.grad_averager, RobustGradientAverager | RobustPowerSGDGradientAverager):  # weight caps
             self.grad_averager.use_reported_progress(self.tracker.records_for_round(), self.local_epoch)
         self._stepped_alone = self._left_behind = False
-        began = time.monotonic()
+        rounds_began = time.monotonic()
         try:
             super()._update_global_epoch(grad_scaler)
         finally:
-            self._last_transition_s = time.monotonic() - began  # (the averaging rounds of the step: see _contributions)
+            self._last_transition_s = time.monotonic() - rounds_began  # (its averaging rounds: see _contributions)
             self._step_began = get_dht_time()
+            logger.debug(f"Step {self.local_epoch}: began after {time.monotonic() - began:.3f} s (read {read_s:.3f} s)")
         if self._left_behind:  # the swarm finished the step while this peer looked for a group: take its state
             logger.info(
                 f"The swarm moved on to step {self.tracker.global_epoch} without this peer: downloading its state"
