@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -149,6 +152,34 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
         swarm.shutdown()
 
 
+@contextlib.contextmanager
+def lone_peer(run_id: str, target: int, batch: int) -> Iterator[tuple[Any, Any, torch.nn.Parameter]]:
+    """One trahiv peer alone in its swarm (a 4-value parameter, SGD with lr 1), marked ready, not yet caught up:
+    (swarm, optimizer, parameter)."""
+    from trahiv.config import HivemindConfig
+    from trahiv.swarm import Swarm
+
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": run_id, "target_batch_size": target}}
+    )
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        optimizer = swarm.make_optimizer(
+            [{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, batch
+        )
+        swarm.mark_ready()
+        yield swarm, optimizer, param
+    finally:
+        swarm.shutdown()
+
+
+def feed(optimizer: Any, param: torch.nn.Parameter, batch: int) -> None:
+    """One local step of `batch` samples whose gradients are all ones."""
+    param.grad = torch.ones(4)
+    optimizer.step(batch_size=batch)
+
+
 @pytest.mark.parametrize("measure_from_start", [True, False], ids=["trahiv", "hivemind"])
 def test_throughput_is_measured_from_the_start_of_training(measure_from_start, monkeypatch):
     """A peer's throughput (which its share of each step follows) is measured from the start of training
@@ -156,29 +187,17 @@ def test_throughput_is_measured_from_the_start_of_training(measure_from_start, m
     counted as the first batch's compute (the first-ready peer of a 2-peer swarm reported 12 samples/s against the
     other's 21 at the same speed). Here 2 s of waiting, then two batches of 4 samples computed at once: hivemind's
     measure stays near 4 samples/s."""
-    from trahiv.config import HivemindConfig
     from trahiv.engine.optimizer import SwarmProgressTracker
-    from trahiv.swarm import Swarm
 
     if not measure_from_start:
         monkeypatch.setattr(SwarmProgressTracker, "start_measuring", lambda self: None)
-    config = HivemindConfig.model_validate(
-        {"dht": {"nat_port_map": False}, "opt": {"run_id": "measure", "target_batch_size": 100}}
-    )
-    swarm = Swarm(config, announce=lambda _: None)
-    try:
-        param = torch.nn.Parameter(torch.zeros(4))
-        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 4)
-        swarm.mark_ready()
+    with lone_peer("measure", target=100, batch=4) as (swarm, optimizer, param):
         time.sleep(2.0)  # the wait for other peers that this test stands for (no event to wait on: it is the fault)
         swarm.catch_up()
         for _ in range(2):
-            param.grad = torch.ones(4)
-            optimizer.step(batch_size=4)
+            feed(optimizer, param, 4)
         rate = optimizer.tracker.performance_ema.samples_per_second
         assert (rate > 20) == measure_from_start, rate
-    finally:
-        swarm.shutdown()
 
 
 @pytest.mark.parametrize("skip_first", [True, False], ids=["trahiv", "hivemind"])
@@ -188,35 +207,22 @@ def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, 
     peer reports no throughput (the shares are then equal); from then on, step to step. Here the first batch takes
     1.5 s (its warm-up, the fault this test injects), the next two none: measured from the first batch, the rate stays
     below 10 samples/s."""
-    from trahiv.config import HivemindConfig
     from trahiv.engine.optimizer import SwarmProgressTracker
     from trahiv.protocol import MIN_RATE
-    from trahiv.swarm import Swarm
 
     if not skip_first:
         monkeypatch.setattr(SwarmProgressTracker, "start_measuring", lambda self: self.performance_ema.reset_timer())
-    config = HivemindConfig.model_validate(
-        {"dht": {"nat_port_map": False}, "opt": {"run_id": "first_batch", "target_batch_size": 100}}
-    )
-    swarm = Swarm(config, announce=lambda _: None)
-    try:
-        param = torch.nn.Parameter(torch.zeros(4))
-        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 4)
-        swarm.mark_ready()
+    with lone_peer("first_batch", target=100, batch=4) as (swarm, optimizer, param):
         swarm.catch_up()
         tracker = optimizer.tracker
         time.sleep(1.5)  # the first batch's warm-up
-        param.grad = torch.ones(4)
-        optimizer.step(batch_size=4)
+        feed(optimizer, param, 4)
         unmeasured = tracker.local_progress.samples_per_second < MIN_RATE  # what the others read of this peer
         assert unmeasured == skip_first, tracker.local_progress
         for _ in range(2):
-            param.grad = torch.ones(4)
-            optimizer.step(batch_size=4)
+            feed(optimizer, param, 4)
         assert (tracker.local_progress.samples_per_second > 10) == skip_first, tracker.local_progress
         assert tracker.local_progress.samples_accumulated == 12
-    finally:
-        swarm.shutdown()
 
 
 def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_older_than_the_recheck_period():
@@ -224,18 +230,9 @@ def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_old
     after a read: the waits at a step's end, and each local step once the step is due, read it every
     PROGRESS_RECHECK_PERIOD, and the second read (0.03-0.12 s through links busy with the previous round) came right
     after the first at every step of every peer (benchmarks/compute_utilization.py --debug)."""
-    from trahiv.config import HivemindConfig
     from trahiv.engine.optimizer import PROGRESS_RECHECK_PERIOD
-    from trahiv.swarm import Swarm
 
-    config = HivemindConfig.model_validate(
-        {"dht": {"nat_port_map": False}, "opt": {"run_id": "reads", "target_batch_size": 2}}
-    )
-    swarm = Swarm(config, announce=lambda _: None)
-    try:
-        param = torch.nn.Parameter(torch.zeros(4))
-        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 1)
-        swarm.mark_ready()
+    with lone_peer("reads", target=2, batch=1) as (swarm, optimizer, param):
         swarm.catch_up()
         tracker, reads = optimizer.tracker, []
         read = tracker.refresh_now
@@ -246,21 +243,15 @@ def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_old
 
         tracker.refresh_now = counted
         for epoch in range(2):
-            param.grad = torch.ones(4)
-            optimizer.step(batch_size=1)
+            feed(optimizer, param, 1)
             tracker.read_at = time.monotonic()  # a read just ended (a wait's, or a due local step's)
             reads.clear()
-            param.grad = torch.ones(4)
-            optimizer.step(batch_size=1)
+            feed(optimizer, param, 1)
             assert optimizer.local_epoch == epoch + 1 and reads == [], reads
-        param.grad = torch.ones(4)
-        optimizer.step(batch_size=1)
+        feed(optimizer, param, 1)
         tracker.read_at -= PROGRESS_RECHECK_PERIOD  # the last read is that period old
-        param.grad = torch.ones(4)
-        optimizer.step(batch_size=1)
+        feed(optimizer, param, 1)
         assert optimizer.local_epoch == 3 and reads == [2], reads
-    finally:
-        swarm.shutdown()
 
 
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
