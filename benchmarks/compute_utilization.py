@@ -70,7 +70,7 @@ def worker(spec: dict) -> None:
     print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in lora_shapes(spec["params"])]
     named = [(f"p{i}", p) for i, p in enumerate(params)]
-    swarm.check_model(model_fingerprint(named))
+    swarm.check_model(model_fingerprint(named, params))  # with the weights: peers that hold the same download nothing
     optimizer = swarm.make_optimizer([{"params": params}], lambda groups: torch.optim.SGD(groups, lr=1e-3), None, batch)
     swarm.mark_ready()  # what trahiv.Trainer does when training begins (min_peers counts only peers marked ready)
     swarm.wait_for_peers()
@@ -87,19 +87,25 @@ def compute_loop(spec: dict, params: list, step: Any, progress: Any) -> list[tup
     so far, of it in the `step()` calls that moved the progress) whenever it moves."""
     import torch
 
-    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    # two sets, in turn: a backward leaves each step's gradients in new tensors (the Trainer's model.zero_grad()
+    # released the last ones), which the swarm may still read while the next batch computes
+    grads = [[torch.randn_like(p) * 1e-3 for p in params] for _ in range(2)]
     marks: list[tuple[int, float, float, float, float]] = []
     compute = in_step = in_transitions = 0.0
+    local_steps = 0
     deadline = time.monotonic() + spec["run_timeout"]
     while progress() < spec["epochs"] and time.monotonic() < deadline:
         time.sleep(spec["compute_s"])
         compute += spec["compute_s"]
-        for param, grad in zip(params, grads, strict=True):
+        local_steps += 1
+        for param, grad in zip(params, grads[local_steps % 2], strict=True):
             param.grad = grad.clone() if spec["copy_grads"] else grad  # (nothing in the swarm writes into .grad)
         started = time.perf_counter()
         before = progress()
         step()
         took = time.perf_counter() - started
+        for param in params:
+            param.grad = None  # the Trainer's model.zero_grad()
         in_step += took
         if progress() != before:
             in_transitions += took

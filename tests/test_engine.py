@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -252,6 +253,56 @@ def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_old
         tracker.read_at -= PROGRESS_RECHECK_PERIOD  # the last read is that period old
         feed(optimizer, param, 1)
         assert optimizer.local_epoch == 3 and reads == [2], reads
+
+
+def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_batch_computes(monkeypatch):
+    """`OverlappedAccumulation`: gradients left in new tensors (a backward after `zero_grad(set_to_none=True)`) are
+    added in a background thread, after `step()` returned; gradients zeroed in place (the last step's tensors again)
+    are added at once, in the caller's thread; the optimizer's `zero_grad` and a round's reading of the accumulators
+    wait for an addition in flight. Every addition here waits at a gate the test opens."""
+    from trahiv.engine import averagers
+    from trahiv.engine.averagers import OverlappedAccumulation
+
+    gate, entered, added_in = threading.Event(), threading.Event(), []
+    add, finish = averagers._add_all_, OverlappedAccumulation.finish_accumulation
+
+    def gated_add(*args: Any) -> None:
+        added_in.append(threading.current_thread() is threading.main_thread())
+        if not added_in[-1]:
+            assert gate.wait(timeout=30)
+        add(*args)
+
+    def finish_entered(self: Any) -> None:
+        entered.set()
+        finish(self)
+
+    monkeypatch.setattr(averagers, "_add_all_", gated_add)
+    monkeypatch.setattr(OverlappedAccumulation, "finish_accumulation", finish_entered)
+    with lone_peer("overlap", target=100, batch=1) as (swarm, optimizer, param):
+        swarm.catch_up()
+        accumulator = optimizer.grad_averager._local_accumulators[0]
+        feed(optimizer, param, 1)  # the first step: nothing to compare its tensors with, added at once
+        assert added_in == [True] and accumulator.tolist() == [1.0] * 4
+        feed(optimizer, param, 1)  # new tensors: step() returned, the addition waits at the gate
+        assert added_in == [True, False] and accumulator.tolist() == [1.0] * 4
+        gate.set()
+        assert [float(v) for v in next(optimizer.grad_averager._grad_accumulators())] == [2.0] * 4  # (waits)
+
+        param.grad.zero_().add_(5.0)  # zeroed in place, the next backward's gradients: added at once
+        optimizer.step(batch_size=1)
+        assert added_in == [True, False, True] and accumulator.tolist() == [7.0] * 4
+
+        gate.clear()
+        feed(optimizer, param, 1)  # new tensors again: in flight, then zeroed in place by the optimizer
+        entered.clear()
+        zeroing = threading.Thread(target=optimizer.zero_grad, kwargs={"set_to_none": False})
+        zeroing.start()
+        assert entered.wait(timeout=10), "zero_grad did not wait for the addition in flight"
+        gate.set()
+        zeroing.join(timeout=10)
+        assert not zeroing.is_alive() and added_in[-1] is False
+        assert accumulator.tolist() == [8.0] * 4 and param.grad.tolist() == [0.0] * 4
+        assert optimizer.grad_averager.local_samples_accumulated == 4
 
 
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():

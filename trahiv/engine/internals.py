@@ -174,6 +174,22 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.optim.grad_averager:GradientAverager", "reset_accumulated_grads_", "method", "(self)"),
     Internal("hivemind.optim.grad_averager:GradientAverager", "accumulate_grads_", "method", "(self, batch_size: int)"),
     Internal("hivemind.optim.grad_averager:GradientAverager", "local_times_accumulated", "instance", None),
+    Internal(
+        "hivemind.optim.grad_averager:GradientAverager",
+        "_grad_accumulators",
+        "method",
+        "(self) -> Iterator[torch.Tensor]",
+    ),
+    Internal(
+        "hivemind.optim.grad_averager:GradientAverager",
+        "_grads_from_parameters",
+        "method",
+        "(self) -> Iterator[torch.Tensor]",
+    ),
+    Internal("hivemind.optim.grad_averager:GradientAverager", "_local_accumulators", "instance", None),
+    Internal("hivemind.optim.grad_averager:GradientAverager", "_anchor_batch_size", "instance", None),
+    Internal("hivemind.optim.grad_averager:GradientAverager", "_accumulators_used_in_step", "instance", None),
+    Internal("hivemind.optim.grad_averager:GradientAverager", "reuse_grad_buffers", "instance", None),
     Internal("hivemind.optim.grad_averager:GradientAverager", "local_samples_accumulated", "instance", None),
     Internal(
         "hivemind.optim.state_averager:TrainingStateAverager",

@@ -683,6 +683,14 @@ class SwarmOptimizer(hivemind.Optimizer):
         finally:
             fixes.raise_if_interrupted()  # a Ctrl+C / SIGTERM that hivemind swallowed while averaging
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """hivemind's, once the last local step's gradients are in the accumulators (`OverlappedAccumulation` may
+        still be reading them: zeroing them in place must wait)."""
+        finish = getattr(self.grad_averager, "finish_accumulation", None)
+        if finish is not None:
+            finish()
+        super().zero_grad(set_to_none=set_to_none)
+
     def shutdown(self) -> None:
         """hivemind's, once this peer's last round, still running in the background (`delay_grad_averaging`), has
         ended (at most averaging_timeout): hivemind says goodbye first, withdrawing this peer's progress record, and
