@@ -305,6 +305,36 @@ def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_ba
         assert optimizer.grad_averager.local_samples_accumulated == 4
 
 
+def test_a_state_download_that_failed_asks_that_source_again_after_the_others():
+    """A joiner's state download goes through the sources in order; one whose download failed (a stream cut short)
+    is asked again after the others, once: a joiner whose only honest source failed once trained from its own
+    initial weights (tests/test_faults.py)."""
+    import asyncio
+
+    from trahiv.engine.averagers import first_download
+
+    asked: list[str] = []
+
+    def downloads(served: dict[str, list[Any]]) -> Any:
+        async def download(peer: str) -> Any:
+            asked.append(peer)
+            outcome = served[peer].pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        return download
+
+    cut = RuntimeError("shape '[128, 512]' is invalid for input of size 32768")
+    served = {"honest": [cut, "state"], "nothing": [None, None]}
+    assert asyncio.run(first_download(["honest", "nothing"], downloads(served))) == ("state", "honest")
+    assert asked == ["honest", "nothing", "honest"]
+    asked.clear()
+    served = {"honest": [cut, cut, "state"], "nothing": [None]}
+    assert asyncio.run(first_download(["honest", "nothing"], downloads(served))) is None
+    assert asked == ["honest", "nothing", "honest"]  # twice at most; a source that served nothing is not asked again
+
+
 def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers_only_its_state():
     """hivemind renews a progress record only once its peer has accumulated samples: a peer waiting for `min_peers`
     longer than the record's lifetime (`metadata_expiration`, 60 s) disappeared from the swarm, whose other peers then

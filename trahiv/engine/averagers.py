@@ -25,7 +25,7 @@ import multiprocessing as mp
 import queue
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
@@ -67,6 +67,7 @@ _ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("tr
 _RUNNING_STEPS: set[asyncio.Task] = set()
 CAPS_FETCH_TIMEOUT_S = 2.0
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
+DOWNLOAD_ATTEMPTS = 2  # times a source whose download failed is asked for its state
 SERVE_BEFORE_SHUTDOWN_S = 2.0  # a leaving averager lets the parts it reduces reach their senders for this long
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "RobustPowerSGDGradientAverager",
     "RobustTrainingStateAverager",
     "epoch_group_bits",
+    "first_download",
 ]
 
 
@@ -389,17 +391,12 @@ class CheckedStateDownload(DecentralizedAverager):
                 for peer, info in declared.items()
                 if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
             }
-            for peer in sorted(priority, key=priority.__getitem__, reverse=True):
-                if peer == self.peer_id or str(peer) in skip:
-                    continue
-                try:
-                    state = await self._download_state_from(peer, chunk_timeout)
-                except Exception as e:
-                    logger.warning(f"Failed to download the state from {peer}: {e!r}")
-                    continue
-                if state is not None:
-                    future.set_result((*state, str(peer)))
-                    return
+            sources = [p for p in sorted(priority, key=priority.__getitem__, reverse=True)
+                       if p != self.peer_id and str(p) not in skip]  # fmt: skip
+            found = await first_download(sources, lambda peer: self._download_state_from(peer, chunk_timeout))
+            if found is not None:
+                state, peer = found
+                future.set_result((*state, str(peer)))
         finally:
             if not future.done():
                 future.set_result(None)
@@ -420,6 +417,30 @@ class CheckedStateDownload(DecentralizedAverager):
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return (metadata, tensors) if metadata else None
+
+
+async def first_download(
+    sources: Sequence[PeerID], download: Callable[[PeerID], Awaitable[Any]], attempts: int = DOWNLOAD_ATTEMPTS
+) -> tuple[Any, PeerID] | None:
+    """The first state that a source (in order) serves, and that source; a source whose download failed (an error:
+    a stream cut short, a timeout) is asked again after the others, up to `attempts` times in all. A joiner's only
+    honest source once served a stream that ended two chunks into a tensor; with no other source, the joiner trained
+    from its own initial weights (tests/test_faults.py, a clean checkout's run)."""
+    pending = list(sources)
+    for attempt in range(attempts):
+        failed = []
+        for peer in pending:
+            try:
+                state = await download(peer)
+            except Exception as e:
+                again = " (asking it again after the others)" if attempt + 1 < attempts else ""
+                logger.warning(f"Failed to download the state from {peer}: {e!r}{again}")
+                failed.append(peer)
+                continue
+            if state is not None:
+                return state, peer
+        pending = failed
+    return None
 
 
 class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, CheckedStateDownload):
