@@ -210,6 +210,9 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
         for peer in peers:
             stop(peer.process)
         boot.stop()
+    # they start together from the same weights: the one that started second downloads nothing
+    same = [peer.name for peer in peers if "the same as this peer's: nothing to download" in peer.log()]
+    assert len(same) == 1, same
     expected = expected_toy_values(3 * 0.1 * 2.0, 3)
     for peer, done in zip(peers, dones, strict=True):
         assert done["outer_step"] == 3 and done["global_step"] == 9, done

@@ -439,6 +439,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def start_sync(self) -> None:
         """At the sync point: fill the pseudo-gradients, start averaging them in the background, return at once."""
+        began = time.monotonic()
         self._fill_pseudo_gradients()
         at_sync = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in self.fragments[self.fragment]]
         pending = PendingSync(outer_step=self.outer_step, weight=self.samples, at_sync=at_sync)
@@ -446,8 +447,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         pending.thread = threading.Thread(target=self._sync_in_background, args=(pending,), name="trahiv-diloco-sync",
                                           daemon=True)  # fmt: skip
         self._pending = pending
+        filled = time.monotonic()
         self._publish(wait=True)  # at its sync point, syncing: the others stop waiting for it, or wait if they are on
         pending.thread.start()
+        logger.debug(f"Outer step {pending.outer_step}: sync started in {time.monotonic() - began:.3f} s "
+                     f"(published in {time.monotonic() - filled:.3f} s)")  # fmt: skip
 
     def _sync_in_background(self, pending: PendingSync) -> None:
         try:
@@ -489,8 +493,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if pending.outcome == "behind":  # no peer served the outer state: this peer's own pseudo-gradient
                 self._fill_pseudo_gradients(at=pending.at_sync)
             self._apply_outer_step(at_sync=pending.at_sync)
+        applied = time.monotonic()
         self._publish()
         self.sync_wait_s += time.monotonic() - began
+        logger.debug(f"Outer step {pending.outer_step}: {pending.outcome}, applied in {time.monotonic() - began:.3f} s "
+                     f"(published in {time.monotonic() - applied:.3f} s)")  # fmt: skip
 
     def drop_pending_sync(self) -> None:
         """[overlap] Forget the background sync (a revert replaces the outer state): wait for its thread, ignore it."""
@@ -665,6 +672,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # would replace its half-way inner parameters by the outer ones); a stale checkpoint (the swarm is at a
             # later outer step) is dropped for the swarm's state below, as a peer that missed a sync does
             logger.info(f"Resumed at outer step {self.outer_step}, inner step {self.inner_done}: keeping this state")
+            return False
+        if leader.outer_step == 0 == self.outer_step and leader.digest and leader.digest == self.outer_digest:
+            # peers that start together from the same weights (a pretrained model, a seed): the joiners downloaded
+            # the same outer parameters and zero momenta, 64 MB each for 8M parameters, all from the leader over its
+            # one link (17 s at 100 Mbit/s for 3 peers); it trained meanwhile and stayed H inner steps ahead of them
+            # for the whole run, waiting at each of its sync points (benchmarks/compute_utilization.py --diloco)
+            logger.info(f"DiLoCo swarm {self.run_id!r} starts from the outer parameters of peer {leader.peer}, the "
+                        "same as this peer's: nothing to download")  # fmt: skip
             return False
         logger.info(f"Joining DiLoCo swarm {self.run_id!r} at outer step {leader.outer_step} (state of {leader.peer})")
         # peers that start a run together (min_peers) each make the first outer step's H inner steps: a peer that
