@@ -154,14 +154,14 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
 
 
 @contextlib.contextmanager
-def lone_peer(run_id: str, target: int, batch: int) -> Iterator[tuple[Any, Any, torch.nn.Parameter]]:
+def lone_peer(run_id: str, target: int, batch: int, **opt: Any) -> Iterator[tuple[Any, Any, torch.nn.Parameter]]:
     """One trahiv peer alone in its swarm (a 4-value parameter, SGD with lr 1), marked ready, not yet caught up:
     (swarm, optimizer, parameter)."""
     from trahiv.config import HivemindConfig
     from trahiv.swarm import Swarm
 
     config = HivemindConfig.model_validate(
-        {"dht": {"nat_port_map": False}, "opt": {"run_id": run_id, "target_batch_size": target}}
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": run_id, "target_batch_size": target, **opt}}
     )
     swarm = Swarm(config, announce=lambda _: None)
     try:
@@ -303,6 +303,31 @@ def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_ba
         assert not zeroing.is_alive() and added_in[-1] is False
         assert accumulator.tolist() == [8.0] * 4 and param.grad.tolist() == [0.0] * 4
         assert optimizer.grad_averager.local_samples_accumulated == 4
+
+
+def test_in_background_mode_a_step_is_declared_once_its_update_is_applied():
+    """Background mode (`delay_optimizer_step`): the state a peer offers is declared at the new step once the update
+    that makes it is applied, not as the step's round begins (hivemind's): other peers read "a peer serves a state of
+    the swarm's step" as "that step's round is over" (`_missed_the_round`). The update is held at a gate here."""
+    with lone_peer("declare", target=2, batch=1, delay_optimizer_step=True) as (swarm, optimizer, param):
+        swarm.catch_up()
+        averager, gate = optimizer.state_averager, threading.Event()
+        step = averager.optimizer.step
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            assert gate.wait(timeout=30)
+            return step(*args, **kwargs)
+
+        averager.optimizer.step = gated
+        feed(optimizer, param, 1)
+        feed(optimizer, param, 1)  # the step is due: the transition, its update in the background
+        assert optimizer.local_epoch == 1
+        assert averager.state_sharing_priority < 1, "step 1 declared before its update was applied"
+        gate.set()
+        for update in list(averager.pending_updates):
+            update.result(timeout=30)
+        feed(optimizer, param, 1)  # the next local step declares it
+        assert 1 <= averager.state_sharing_priority < 2
 
 
 def test_a_state_download_that_failed_asks_that_source_again_after_the_others():

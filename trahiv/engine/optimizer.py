@@ -316,6 +316,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
         self._tiebreak = peer_tiebreak(dht.peer_id.to_bytes())
+        self._declared = 0.0  # the state-sharing priority this peer declared last (`_declare_state`)
+        self._deferred_declaration: tuple[int, bool, set] | None = None  # (step, complete, updates it waits for)
         super().__init__(dht=dht, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
@@ -551,7 +553,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         partial = any(report.peers and not report.complete for report in self._new_gradient_reports())
         differs = self._stepped_alone or (partial and self.tracker.has_other_peers)
         self._resync_epoch = self.local_epoch if differs else None
-        self._declare_state(complete=not differs)
+        self._declare_once_applied(complete=not differs)
 
     @staticmethod
     def _live_round(control: Any) -> bool:
@@ -599,12 +601,34 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._stepped_alone = self.tracker.has_other_peers
         super()._load_local_gradients_into_optimizer()
 
-    def _declare_state(self, *, complete: bool) -> None:
+    def _declare_state(self, *, complete: bool, epoch: int | None = None) -> None:
         """The priority this peer serves its state with: its step, + 0.5 if its last round was complete, + a fraction
         from its peer ID. Joiners download from the highest; a peer that stepped alone re-syncs from a higher one
         (`state_priority`)."""
+        self._deferred_declaration = None
         if not self.client_mode:
-            self.state_averager.state_sharing_priority = state_priority(self.local_epoch, complete, self._tiebreak)
+            self._declared = state_priority(self.local_epoch if epoch is None else epoch, complete, self._tiebreak)
+            self.state_averager.state_sharing_priority = self._declared
+
+    def _declare_once_applied(self, *, complete: bool) -> None:
+        """[background mode] The new step's state is declared once the update that makes it is applied. hivemind
+        declares it as the step's round begins; the peers' test "a peer serves a state of the swarm's step, so its
+        round is over" (`_missed_the_round`) then held while that round still ran, and the last peer to a step's
+        group gave its round up as the group assembled and downloaded a state that did not hold the step's update yet
+        (test_swarm.py's background test, a clean-clone run: both peers ended an update short). Until then the state
+        this peer holds is declared, as before the transition."""
+        self._declare_if_applied()
+        in_flight = {update for update in list(self.state_averager.pending_updates) if not update.done()}
+        if not (self.delay_optimizer_step and in_flight):
+            return self._declare_state(complete=complete)
+        if not self.client_mode:  # (hivemind declared the new step at the transition)
+            self.state_averager.state_sharing_priority = self._declared
+        self._deferred_declaration = (self.local_epoch, complete, in_flight)
+
+    def _declare_if_applied(self) -> None:
+        deferred = self._deferred_declaration
+        if deferred is not None and all(update.done() for update in deferred[2]):
+            self._declare_state(complete=deferred[1], epoch=deferred[0])
 
     def _resync_due(self) -> bool:
         """Try to re-sync before each local step of the step that differs (at most every RESYNC_PERIOD seconds: the
@@ -672,6 +696,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         batch_size = batch_size if batch_size is not None else self.pending_batch_size
         self.pending_batch_size = None
         self._key_rounds_by_step()
+        self._declare_if_applied()
         try:
             if self.revert is not None and self.revert.maybe_apply(self):
                 return None  # a moderator reverted the swarm: gradients of the replaced parameters are dropped
