@@ -172,8 +172,8 @@ class OverlappedAccumulation(GradientAverager):
     """Adds a local step's gradients to the accumulators in a background thread, while the next batch computes.
 
     hivemind adds them inside `Optimizer.step()`: one pass over all gradients per local step (8M values: 5 ms on an
-    idle core of this machine, 10 ms with 4 peers on its 2 cores; with gradients on a GPU and the accumulators on the
-    CPU, a blocking copy to the host as well), time in which nothing computes (benchmarks/compute_utilization.py:
+    idle core of this machine, 10 ms with 4 peers on its 2 cores; with `accumulate_grads_on` the CPU and gradients on
+    a GPU, a blocking copy to the host as well), time in which nothing computes (benchmarks/compute_utilization.py:
     0.15 s of each 8 s collaborative step). A backward followed by `zero_grad(set_to_none=True)` (the Trainer's
     `model.zero_grad()`, torch's default) leaves each step's gradients in new tensors that nobody writes into again,
     so they can be read after `step()` returned. Gradients zeroed in place instead come back in the same tensors: a
