@@ -278,7 +278,11 @@ def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_ba
 
     monkeypatch.setattr(averagers, "_add_all_", gated_add)
     monkeypatch.setattr(OverlappedAccumulation, "finish_accumulation", finish_entered)
-    with lone_peer("overlap", target=100, batch=1) as (swarm, optimizer, param):
+    with lone_peer("overlap", target=100, batch=1, delay_optimizer_step=True, delay_grad_averaging=True) as (
+        swarm,
+        optimizer,
+        param,
+    ):
         swarm.catch_up()
         accumulator = optimizer.grad_averager._local_accumulators[0]
         feed(optimizer, param, 1)  # the first step: nothing to compare its tensors with, added at once
