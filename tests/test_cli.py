@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -70,14 +71,16 @@ def test_demo_runs_a_local_swarm_end_to_end(tmp_path):
     rows = [json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(2)]
     assert all(row["collaborative_steps"] == 4 for row in rows)
     assert all(row["last_loss"] < row["first_loss"] for row in rows)
-    # the peers start together (min_peers) and share the 2 cores: each contributes a fair part of the swarm's samples.
-    # Shares follow each peer's throughput (batches of 8 and 4 here): a fair part is at least half of what its batch
-    # size would give at equal speed per sample (with a core kept busy the peers' speeds differ: 302 and 92 samples)
+    # the peers start together (min_peers) and split the machine's cores between them (one torch thread each on 2
+    # cores: with a thread per core each, one trainer made 65% of the samples whichever its batch size)
+    threads = int(out.split("Each trainer computes with ")[1].split()[0])
+    assert threads == int(ENV.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // 2))
+    assert all(row["threads"] == threads for row in rows), rows
+    # each contributes a fair part of the swarm's samples: at least half of an equal split of the compute (the samples
+    # a peer makes follow its speed, not its batch size of 8 or 4)
     samples = [row["samples_contributed"] for row in rows]
-    batches = [row["batch_size"] for row in rows]
     assert sum(samples) >= 4 * 96, samples
-    for contributed, batch in zip(samples, batches, strict=True):
-        assert contributed > 0.5 * batch / sum(batches) * sum(samples), (samples, batches)
+    assert all(contributed > 0.5 * sum(samples) / len(samples) for contributed in samples), samples
     assert "peers 2" in out, "the two trainers never saw each other"
     assert "Dashboard (live while the demo runs): http://127.0.0.1:" in out
 
