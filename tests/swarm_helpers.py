@@ -18,7 +18,9 @@ from peer_spec import spec_model
 from zygote import Forked, spawn
 
 TESTS = Path(__file__).parent
-PEER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+# One compute thread per peer: the tests' peers stand for machines of their own but share this machine's 2 cores, where
+# torch's default (a thread per core in each peer) had peers' threads take turns unevenly (see trahiv.cli.demo)
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 ENV = {**os.environ, **PEER_ENV}
 
 

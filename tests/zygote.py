@@ -97,6 +97,10 @@ def _run(module: str, argv: list[str], log: str, cwd: str, env: dict[str, str]) 
     sys.stdout.reconfigure(line_buffering=True, write_through=True)  # as PYTHONUNBUFFERED: tests read logs live
     os.chdir(cwd)
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # read by torch at its import, which the fork server did before this was set
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     mp.set_start_method("fork", force=True)  # a fresh interpreter's default here (the child inherits "forkserver")
     _reseed()
     sys.argv = [module, *argv]
