@@ -260,6 +260,14 @@ def build_model(spec: dict):
 
 
 def main(spec_path: str) -> int:
+    if os.environ.get("TRAHIV_TEST_DEBUG"):  # trahiv's DEBUG lines in the peer's log (shares, holds, step timings)
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d [trahiv] %(message)s", "%H:%M:%S"))
+        logging.getLogger("trahiv").addHandler(handler)
+        logging.getLogger("trahiv").setLevel(logging.DEBUG)
+        logging.getLogger("trahiv").propagate = False
     parsed = PeerSpec.model_validate_json(Path(spec_path).read_text())
     spec = {**parsed.model_dump(exclude_unset=True), "faults": [fault.model_dump() for fault in parsed.faults]}
     out = Path(spec["out"])

@@ -205,9 +205,9 @@ def test_throughput_is_measured_from_the_start_of_training(measure_from_start, m
 def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, monkeypatch):
     """The first batch's time (the data loader's start, the first forward's warm-up) says little of a peer's speed:
     two peers of equal speed measured 1.7x apart, and one computed a third batch of step 0. Until its second batch a
-    peer reports no throughput (the shares are then equal); from then on, step to step. Here the first batch takes
-    1.5 s (its warm-up, the fault this test injects), the next two none: measured from the first batch, the rate stays
-    below 10 samples/s."""
+    peer has no measure of its throughput (the shares are then equal); from then on, batch to batch. Here the first
+    batch takes 1.5 s (its warm-up, the fault this test injects), the next two none: measured from the first batch,
+    the rate stays below 10 samples/s."""
     from trahiv.engine.optimizer import SwarmProgressTracker
     from trahiv.protocol import MIN_RATE
 
@@ -215,15 +215,38 @@ def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, 
         monkeypatch.setattr(SwarmProgressTracker, "start_measuring", lambda self: self.performance_ema.reset_timer())
     with lone_peer("first_batch", target=100, batch=4) as (swarm, optimizer, param):
         swarm.catch_up()
-        tracker = optimizer.tracker
+        ema = optimizer.tracker.performance_ema
         time.sleep(1.5)  # the first batch's warm-up
         feed(optimizer, param, 4)
-        unmeasured = tracker.local_progress.samples_per_second < MIN_RATE  # what the others read of this peer
-        assert unmeasured == skip_first, tracker.local_progress
+        assert (ema.samples_per_second < MIN_RATE) == skip_first, ema
         for _ in range(2):
             feed(optimizer, param, 4)
-        assert (tracker.local_progress.samples_per_second > 10) == skip_first, tracker.local_progress
-        assert tracker.local_progress.samples_accumulated == 12
+        assert (ema.samples_per_second > 10) == skip_first, ema
+        assert optimizer.tracker.local_progress.samples_accumulated == 12
+
+
+def test_a_peer_reports_the_throughput_it_had_as_the_step_began_in_every_report_of_the_step():
+    """Shares follow the throughputs in the records each peer reads, and peers read different reports at different
+    times: with a throughput that changed at every report, two peers of equal speed read 10.3 and 8.0 for one peer's
+    share of 16 (batches of 4), on either side of a rounding point, and computed 12 + 8 samples (a clean-clone run of
+    test_swarm.py). A step's reports carry one throughput: the measure as the step began."""
+    from trahiv.protocol import MIN_RATE
+
+    with lone_peer("rate_per_step", target=12, batch=4) as (swarm, optimizer, param):
+        swarm.catch_up()
+        tracker = optimizer.tracker
+        reported = []
+        for _ in range(3):  # step 0: the first batch is no measure, the next two are
+            feed(optimizer, param, 4)
+            reported.append(tracker.local_progress.samples_per_second)
+        assert optimizer.local_epoch == 1
+        assert reported[:2] == [reported[0]] * 2 and reported[0] < MIN_RATE, reported  # step 0: not measured yet
+        at_step = tracker.performance_ema.samples_per_second
+        assert at_step > MIN_RATE and tracker.local_progress.samples_per_second == at_step
+        for _ in range(2):
+            feed(optimizer, param, 4)
+            assert tracker.performance_ema.samples_per_second != at_step  # the measure goes on
+            assert tracker.local_progress.samples_per_second == at_step, tracker.local_progress
 
 
 def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_older_than_the_recheck_period():

@@ -103,3 +103,26 @@ def test_8bit_adamw_states_are_offloaded_and_embeddings_stay_32bit(tmp_path, wor
     assert wte["state1"].dtype == torch.float32, "embeddings must keep 32-bit optimizer states"
     assert mlp["state1"].dtype == torch.uint8 and mlp["state1"].device.type == "cpu"
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+def test_a_steps_bookkeeping_is_not_counted_as_a_batchs_time(tmp_path, workdir):
+    """What the Trainer does once per collaborative step (metrics, logs, evaluation, checkpoints) is left out of the
+    peer's throughput, which its share of each step follows. Counted in the next batch's time, it made a peer that
+    computes fewer batches a step seem slower and its share shrank further (two peers of equal speed settled at 10.6
+    and 5.4 samples of 16). Here each step's log takes 1 s (the fault this test injects); a batch of 8 takes well
+    under 0.25 s: counted, the measure falls below 8 samples / 0.25 s."""
+    import time
+
+    class SlowLog(transformers.TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            time.sleep(1.0)
+
+    trainer = make_trainer(tmp_path, workdir, "bookkeeping")  # 2 steps of 2 batches: 3 measured, 1 after a log
+    trainer.add_callback(SlowLog())
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 2
+        ema = trainer.swarm.optimizer.tracker.performance_ema
+        assert ema.num_updates == 3 and ema.samples_per_second > 8 / 0.25, ema
+    finally:
+        trainer.swarm.shutdown()

@@ -194,6 +194,7 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
         trainer.swarm.publish_model()
         if step > last:
             trainer.publish_metrics()
+            trainer.step_overheads_pending = True  # left out of this peer's throughput (`_maybe_log_save_evaluate`)
 
         def crossed(every: int) -> bool:
             return every > 0 and step // every > last // every
@@ -222,6 +223,7 @@ class Trainer(transformers.Trainer):
         self.swarm = None
         self.collaborative_max_steps = 0
         self.local_steps_since_log = self.local_steps_total = self.local_steps_since_record = 0
+        self.step_overheads_pending = False  # a collaborative step ended: its bookkeeping is not a batch's time
         self._loss_since_record: torch.Tensor | None = None  # summed on the device: no sync per local step
         config: HivemindConfig | None = getattr(self.args, "hivemind", None)
         if config is None:
@@ -416,7 +418,12 @@ class Trainer(transformers.Trainer):
             # the Trainer divides the summed loss by the steps since the last log: count local steps, not swarm steps
             self._globalstep_last_logged = self.state.global_step - self.local_steps_since_log
             self.local_steps_since_log = 0
-        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        result = super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        if self.swarm is not None and self.swarm.optimizer is not None and self.step_overheads_pending:
+            # the collaborative step's own costs (metrics, log, evaluation, checkpoint) are not a batch's
+            self.step_overheads_pending = False
+            self.swarm.optimizer.tracker.skip_time_until_now()
+        return result
 
     def _finalize_training(self, *args: Any, **kwargs: Any):
         if self.swarm is not None:  # train_loss averages local steps (the loss is summed per local step)

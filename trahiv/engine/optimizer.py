@@ -123,7 +123,20 @@ class SwarmProgressTracker(ProgressTracker):
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
+        self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
         super().__init__(*args, **kwargs)
+
+    def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> LocalTrainingProgress:
+        """This peer's record, with the throughput it had as the step began, the same in every report of the step.
+        Each peer's share of a step follows the throughputs in the records it reads, and the others read different
+        reports at different times: with the throughput of each report (it changes every batch), two peers of equal
+        speed read 10.3 and 8.0 for one peer's share, on either side of a rounding point (batches of 4, target 16),
+        and computed 12 + 8 samples."""
+        if self._rate_step is None or self._rate_step[0] != local_epoch:
+            self._rate_step = (local_epoch, self.performance_ema.samples_per_second)
+        progress = super()._get_local_progress(local_epoch, samples_accumulated)
+        progress.samples_per_second = self._rate_step[1]
+        return progress
 
     @property
     def ready_to_update_epoch(self) -> bool:
@@ -196,6 +209,14 @@ class SwarmProgressTracker(ProgressTracker):
         samples for a target of 16, twice in 4 runs with a core kept busy). Until its second batch a peer reports no
         throughput, and the shares are equal (`trahiv.protocol.share_of_target`)."""
         self._first_batch_pending = True
+        self.performance_ema.reset_timer()
+
+    def skip_time_until_now(self) -> None:
+        """Leave the time since this peer's last report out of its throughput: what the application did between
+        steps once per collaborative step (the Trainer's metrics, logs, evaluation, checkpoint) is not the cost of a
+        batch. Counted in the next batch's time, it made a peer that computes fewer batches a step seem slower, so
+        its share shrank further: two peers of equal speed settled at shares of 10.6 and 5.4 samples of 16 (batches
+        of 4, with a core kept busy), next to the rounding points where the two views of the rates gave 12 + 8."""
         self.performance_ema.reset_timer()
 
     def refresh_now(self) -> None:
