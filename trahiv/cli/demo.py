@@ -106,7 +106,7 @@ def trainer_threads(peers: int) -> int:
     """Compute threads for each of `peers` trainers sharing this machine: its cores split between them. Each torch
     process otherwise starts a thread per core; on 2 cores two trainers' 4 threads took turns so unevenly that one
     trainer made 65% of the samples whichever its batch size, and the swarm made 159 samples/s where one thread each
-    made 234 (`trahiv demo --max-steps 4 --target-batch-size 96`, idle machine)."""
+    made 234 (`trahiv demo --max-steps 4 --target-batch-size 96`, nothing else running)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, peers))
 
