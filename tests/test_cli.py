@@ -57,6 +57,24 @@ def test_bad_cli_input_is_a_clean_error():
     assert "malformed multiaddr '127.0.0.1:31337'" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--batch-sizes", "8", "0"], {}, "--peers, --batch-sizes, --max-steps and --target-batch-size must be"),
+        ([], {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' is not a positive whole number"),
+    ],
+    ids=["batch-size-0", "omp-threads"],
+)
+def test_bad_demo_input_is_a_clean_error_before_any_work(tmp_path, args, env, message):
+    result = subprocess.run(
+        [*TRAHIV, "demo", *args, "--workdir", str(tmp_path / "demo")],
+        env={**DEMO_ENV, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "demo").exists(), "the demo wrote its workdir before rejecting its input"
+
+
 @pytest.mark.swarm
 def test_demo_runs_a_local_swarm_end_to_end(tmp_path):
     result = subprocess.run(

@@ -41,8 +41,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.peers < 1 or args.max_steps < 1 or args.target_batch_size < 1:
-        raise ValueError("--peers, --max-steps and --target-batch-size must be positive")
+    if args.peers < 1 or args.max_steps < 1 or args.target_batch_size < 1 or min(args.batch_sizes) < 1:
+        raise ValueError("--peers, --batch-sizes, --max-steps and --target-batch-size must be positive")
     return run_trainer(args) if args.role == "trainer" else run_swarm(args)
 
 
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 def run_swarm(args: argparse.Namespace) -> int:
     from trahiv.demo import prepare_workdir
 
+    threads = _threads_from_env() or trainer_threads(args.peers)  # a bad OMP_NUM_THREADS fails before any work
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trahiv-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     args.no_dashboard = args.no_dashboard or args.diloco > 0
@@ -60,7 +61,7 @@ def run_swarm(args: argparse.Namespace) -> int:
           flush=True)  # fmt: skip
     prepare_workdir(workdir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    trainer_env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(args.peers))}
+    trainer_env = {**env, "OMP_NUM_THREADS": str(threads)}
     print(f"Each trainer computes with {trainer_env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)", flush=True)
     command = [sys.executable, "-m", "trahiv.cli.main"]
     addresses_file = workdir / "initial_peers.json"
@@ -109,6 +110,19 @@ def trainer_threads(peers: int) -> int:
     made 234 (`trahiv demo --max-steps 4 --target-batch-size 96`, nothing else running)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, peers))
+
+
+def _threads_from_env() -> int | None:
+    """OMP_NUM_THREADS as the user set it (None if unset); a value that is not a positive whole number is an error."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"OMP_NUM_THREADS={value!r} is not a positive whole number: set it to the threads each trainer should "
+            "compute with, or unset it (the demo then splits this machine's cores between its trainers)"
+        )
+    return int(value)
 
 
 def _wait_for_addresses(path: Path, process: subprocess.Popen) -> list[str]:
