@@ -103,6 +103,99 @@ def test_engine_processes_exit_when_their_parent_is_killed(tmp_path):
         process.kill()
 
 
+_HOLD: Any = None  # a multiprocessing.Event, created before the DHT process forks (it inherits it)
+
+
+async def _hold_the_loop(_dht: Any, _node: Any) -> None:
+    """Run in a DHT process: block its event loop (requests wait in its pipe) until the test releases it."""
+    assert _HOLD.wait(30)
+
+
+def _request_and_exit(dht: Any) -> None:
+    """Run in a forked process, as an averager process would: one DHT request, then gone."""
+    import os
+
+    from hivemind.utils import get_dht_time
+
+    dht.store("left_behind", 1, get_dht_time() + 60, return_future=True)
+    os._exit(0)
+
+
+def test_an_engine_process_drops_a_request_whose_sender_has_exited_and_shuts_down_in_time():
+    """A request's reply pipe is fetched from its sender when the request is read: an averager that stored its record
+    and shut down left a request nobody could read, and the DHT slept 3 s on it, its whole grace period, then was
+    terminated (SIGTERM) at every in-process shutdown. Here the DHT's loop is held until the sender has exited."""
+    import multiprocessing as mp
+
+    import hivemind
+
+    global _HOLD
+    _HOLD = mp.Event()
+    dht = hivemind.DHT(start=True, nat_port_map=False)
+    try:
+        dht.run_coroutine(_hold_the_loop, return_future=True)
+        sender = mp.get_context("fork").Process(target=_request_and_exit, args=(dht,))
+        sender.start()
+        sender.join(30)
+        assert sender.exitcode == 0
+        _HOLD.set()
+        began = time.monotonic()
+        dht.shutdown()
+        dht.join(5)
+        assert dht.exitcode == 0, f"exit code {dht.exitcode} after {time.monotonic() - began:.1f} s"  # hivemind: -15
+    finally:
+        _HOLD.set()
+        if dht.is_alive():
+            dht.kill()
+
+
+def test_a_swarm_started_after_an_engine_process_was_killed_holding_a_shared_lock_starts():
+    """hivemind's process-wide locks are shared by every engine process forked from one process; an MPFuture's result
+    goes back under one of them. A DHT terminated while it held it (after its grace period) left it held, and every
+    DHT started afterwards in that process never reported ready: three swarms of this file waited 300 s each in a CI
+    run. Here a DHT takes the lock and blocks its loop, is terminated at shutdown, and a second swarm starts in the
+    same process; a DHT that cannot start (the lock taken by the test itself) is one clear error within
+    DHT_START_TIMEOUT, not a wait without end."""
+    script = textwrap.dedent("""
+        import time
+        from hivemind.utils.mpfuture import MPFuture
+        import trahiv.swarm
+        from trahiv.config import DHTConfig, HivemindConfig
+
+        async def take_the_lock_and_block(dht, node):
+            MPFuture._update_lock.acquire()
+            time.sleep(60)  # the DHT's loop never reads its shutdown request: terminated after its grace period
+
+        trahiv.swarm.DHT_START_TIMEOUT = 20.0
+        opt = {"run_id": "locks", "target_batch_size": 4}
+        config = HivemindConfig.model_validate({"dht": {"nat_port_map": False}, "opt": opt})
+        swarm = trahiv.swarm.Swarm(config, announce=lambda _: None)
+        swarm.dht.run_coroutine(take_the_lock_and_block, return_future=True)
+        swarm.shutdown()
+        print("exit code", swarm.dht.exitcode, flush=True)
+        began = time.monotonic()
+        try:
+            trahiv.swarm.Swarm(config, announce=lambda _: None).shutdown()
+            print(f"second swarm started in {time.monotonic() - began:.1f} s", flush=True)
+        except trahiv.swarm.SwarmJoinError as e:
+            print("second swarm:", e, flush=True)
+        trahiv.swarm.DHT_START_TIMEOUT = 3.0
+        assert MPFuture._update_lock.acquire(timeout=10)  # taken here: a DHT started now cannot report ready
+        try:
+            trahiv.swarm.start_dht(DHTConfig(nat_port_map=False))
+            print("started with the lock taken", flush=True)
+        except trahiv.swarm.SwarmJoinError as e:
+            print("third:", e, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert lines[0] == f"exit code -{int(signal.SIGTERM)}", lines
+    assert lines[1].startswith("second swarm started in"), lines
+    assert lines[2].startswith("third: The DHT process did not start within 3 s (stopped)"), lines
+    assert "was killed holding MPFuture._update_lock: replaced" in done.stderr, done.stderr[-3000:]
+
+
 def test_a_signal_swallowed_by_the_engine_is_raised_again():
     """hivemind catches BaseException around its averaging waits: the SIGTERM raised there must not be lost."""
     import os

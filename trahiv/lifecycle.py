@@ -122,8 +122,12 @@ def _watch_reverts(dht: Any, run_id: str, peer_auth: PeerAuth) -> RevertWatcher:
 
 
 def _shutdown_dht(dht: Any) -> None:
+    from trahiv.engine import fixes
+
     if dht.is_alive():
-        dht.shutdown()
+        dht.shutdown()  # hivemind's: SIGTERM after its grace period
+        dht.join(1.0)
+        fixes.free_locks_of_killed([dht])
 
 
 def _close(thing: Any) -> None:

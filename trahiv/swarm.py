@@ -3,6 +3,7 @@ collaborative optimizer, report swarm metrics, and leave cleanly."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import math
@@ -57,6 +58,7 @@ def show_swarm_events() -> None:
 
 
 JOIN_ATTEMPTS, JOIN_RETRY_PAUSE = 3, 2.0  # initial peers that do not answer: tries, and seconds between them
+DHT_START_TIMEOUT = 120.0  # seconds for a DHT process to start and join (its p2p daemon's own start: up to 15 s)
 
 
 class SwarmJoinError(RuntimeError):
@@ -82,10 +84,13 @@ def _start_dht(
     attempts = JOIN_ATTEMPTS if config.initial_peers else 1
     for attempt in range(1, attempts + 1):
         try:
-            dht = hivemind.DHT(start=True, **kwargs)
+            dht = hivemind.DHT(start=True, await_ready=False, **kwargs)
+            _wait_until_started(dht)
             if not dht.client_mode:  # trahiv peers dial others back on request (trahiv doctor, client_mode 'auto')
                 dht.run_coroutine(connectivity.serve_dialback_in_dht)
             return dht
+        except SwarmJoinError:
+            raise
         except Exception as e:  # one message, not hivemind's chained traceback (that with TRAHIV_DEBUG=1)
             if NOT_CONNECTED in str(e) and attempt < attempts:  # a busy or restarting peer: try again, then give up
                 logger.debug(f"Nothing answered at {config.initial_peers} (attempt {attempt} of {attempts}): {e}")
@@ -95,6 +100,22 @@ def _start_dht(
                                          attempts=attempt)  # fmt: skip
             raise SwarmJoinError(message) from (e if debug_enabled() else None)
     raise AssertionError("unreachable")
+
+
+def _wait_until_started(dht: hivemind.DHT) -> None:
+    """hivemind waits for a DHT process without a time limit: one that never reported ready (it was blocked on a lock
+    that a killed engine process left held, see `fixes.free_locks_of_killed`) kept its peer waiting for good."""
+    try:
+        dht.wait_until_ready(DHT_START_TIMEOUT)
+    except concurrent.futures.TimeoutError:
+        fixes.kill_descendants(dht.pid)
+        dht.kill()
+        dht.join(1.0)
+        fixes.free_locks_of_killed([dht])
+        raise SwarmJoinError(
+            f"The DHT process did not start within {DHT_START_TIMEOUT:g} s (stopped); nothing else was started. "
+            "Run again with TRAHIV_DEBUG=1 to see the engine's log."
+        ) from None
 
 
 def _start_auth(config: HivemindConfig) -> PeerAuth | None:
@@ -474,3 +495,4 @@ class Swarm:
                 fixes.kill_descendants(process.pid)
                 process.kill()
                 process.join(1.0)
+        fixes.free_locks_of_killed(processes)  # a swarm started later in this process must not block on them

@@ -32,6 +32,12 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    that round against 0.04 in a gradient round (benchmarks/averaging_round.py --engines swarm). Lookups of one
    averager's group key are now at least `MATCHMAKING_LOOKUP_PERIOD` apart: a follower finds a new leader that much
    later at most.
+8. Requests from a process that has exited: a DHT or averager process that could not read one request (its reply
+   pipe travels as a file descriptor fetched from the sender, gone if the sender has exited) slept 3 s, its whole
+   shutdown grace period: every DHT was terminated by SIGTERM at its swarm's shutdown. Such a request is dropped.
+9. Locks left held: an engine process killed while it held one of hivemind's process-wide locks (shared by every
+   engine process forked from the same process) blocked every engine process started afterwards, for good. After a
+   kill, a lock still taken after `SHARED_LOCK_WAIT` is replaced (tested in tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -185,6 +191,7 @@ def _guard_run(cls: Any) -> None:
 
     def run(self) -> None:
         start_parent_watchdog()
+        self._inner_pipe = RequestReceiver(self._inner_pipe)  # fix 8
         return original(self)
 
     run._trahiv_guarded = True  # type: ignore[attr-defined]
@@ -197,6 +204,85 @@ def _fix_orphans() -> None:
 
     _guard_run(DHT)
     _guard_run(DecentralizedAverager)
+    DHT._trahiv_dropped = DecentralizedAverager._trahiv_dropped = _dropped  # type: ignore[attr-defined]  # fix 8
+
+
+# 8. Requests from a process that has exited ------------------------------------------------------------------------
+
+
+class RequestReceiver:
+    """An engine process's request pipe whose `recv()` drops a request it cannot rebuild (logged at DEBUG).
+
+    A request carries an MPFuture whose reply pipe travels as a file descriptor that the receiver fetches from the
+    sending process when it reads the request. An averager process that sent a request to its DHT (its periodic
+    "download my state" record) and then shut down left one that no process could rebuild; hivemind's DHT and averager
+    loops log the error and sleep `wait_timeout` / `request_timeout` (3 s) before reading on, which is their whole
+    shutdown grace period: every in-process swarm's DHT was terminated by SIGTERM at shutdown, 3 s later. A process
+    killed that way can die holding a lock that every process forked from the same parent shares (fix 9). The pipe
+    itself failing (closed, broken) still raises, as before."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+    def recv(self) -> Any:
+        from multiprocessing.reduction import ForkingPickler
+
+        while True:
+            request = self._connection.recv_bytes()  # errors of the pipe itself raise here
+            try:
+                return ForkingPickler.loads(request)
+            except (OSError, EOFError) as e:  # the sender of a file descriptor in the request has exited
+                logger.debug(f"Dropped a request whose sender has exited ({e!r})")
+                if not self._connection.poll():
+                    return "_trahiv_dropped", [], {}
+
+
+async def _dropped(self: Any) -> None:
+    """What an engine process runs for a request `RequestReceiver` dropped: nothing."""
+
+
+# 9. Process-wide locks left held by a killed engine process ---------------------------------------------------------
+
+SHARED_LOCK_WAIT = 2.0  # seconds a shared lock may stay taken, after a kill, before it counts as left held
+
+
+def _shared_locks() -> list[tuple[Any, str]]:
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    return [(MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock"),
+            (_AsyncContextWrapper, "EXECUTOR_LOCK")]  # fmt: skip
+
+
+def free_locks_of_killed(processes: Any) -> list[str]:
+    """After engine processes were killed (hivemind's own "terminating it the hard way" after its grace period, or
+    `Swarm.shutdown` past its timeout): replace the process-wide locks that one of them left held; return their names.
+
+    hivemind creates these locks (`multiprocessing.Lock`, class attributes) once, at import, and every engine process
+    forked from this process shares them: an MPFuture's result goes back to its process under `MPFuture._update_lock`.
+    A process killed holding one leaves it taken for good, and every engine process started afterwards from this
+    process blocked on it: a DHT never reported ready, and a second swarm in the same process (a notebook's second
+    `trainer.train()`, a test process) waited forever (a CI run: three in-process swarms of tests/test_engine.py, 300 s
+    each). Engine processes forked after the replacement use the new locks."""
+    import multiprocessing as mp
+
+    if not any(process.exitcode is not None and process.exitcode < 0 for process in processes):
+        return []
+    replaced = []
+    for owner, name in _shared_locks():
+        lock = getattr(owner, name)
+        if lock.acquire(timeout=SHARED_LOCK_WAIT):
+            lock.release()
+        else:
+            setattr(owner, name, mp.Lock())
+            replaced.append(f"{owner.__name__}.{name}")
+    if replaced:
+        logger.warning(f"An engine process was killed holding {', '.join(replaced)}: replaced, for the processes "
+                       "started from here on")  # fmt: skip
+    return replaced
 
 
 # 3. numpy-2 8-bit decoding -----------------------------------------------------------------------------------------

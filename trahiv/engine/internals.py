@@ -429,6 +429,13 @@ INTERNALS: tuple[Internal, ...] = (
         "method",
         "(self, key: 'DHTKey', value: 'DHTValue', expiration_time: 'DHTExpiration', subkey: 'Optional[Subkey]', future: 'MPFuture', **kwargs)",
     ),
+    # fixes 8 and 9: the request pipes read in the engine processes, the process-wide locks their children share
+    Internal("hivemind.dht.dht:DHT", "_inner_pipe", "instance", None),
+    Internal("hivemind.averaging.averager:DecentralizedAverager", "_inner_pipe", "instance", None),
+    Internal("hivemind.utils.mpfuture:MPFuture", "_update_lock", "attribute", None),
+    Internal("hivemind.utils.mpfuture:MPFuture", "_initialization_lock", "attribute", None),
+    Internal("hivemind.utils.mpfuture:SharedBytes", "_lock", "attribute", None),
+    Internal("hivemind.utils.asyncio:_AsyncContextWrapper", "EXECUTOR_LOCK", "attribute", None),
 )
 
 
