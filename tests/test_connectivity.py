@@ -40,6 +40,33 @@ def test_silence_watch_counts_only_consecutive_rounds_and_names_the_cause():
     assert unreachable is not None and "cannot connect to 1 of them (a)" in unreachable and "split" in unreachable
 
 
+def test_a_trainer_looks_for_a_parameter_helper_again_before_it_skips_a_parameter_round(monkeypatch):
+    """Trainers all in client mode skip parameter rounds unless an aux peer announced itself as their leader; the
+    answer is looked up every HELPER_LOOKUP_PERIOD. A trainer that looked as the aux peer started skipped the aux peer's
+    first parameter round on an answer 3 s old (a clean-clone run of test_aux.py: the aux led that round with the other
+    two). An answer "none" is looked up again before a round is skipped on it."""
+    from types import SimpleNamespace
+
+    from trahiv.engine import watch
+
+    helpers: list[str] = []
+    monkeypatch.setattr(watch, "parameter_helpers", lambda dht, run_id: list(helpers))
+    rounds: list[bool] = []
+    optimizer = SimpleNamespace(
+        auxiliary=False, client_mode=True, dht=None, run_id="run",
+        tracker=SimpleNamespace(active_peers={"a": SimpleNamespace(client_mode=True)}),
+        state_averager=SimpleNamespace(step=lambda **kwargs: rounds.append(kwargs["averaging_round"])),
+        _maybe_schedule_state_averaging=lambda: rounds.append(True),
+    )  # fmt: skip
+    watch.skip_state_rounds_that_cannot_form(optimizer)
+    optimizer._maybe_schedule_state_averaging()  # looks: no helper yet (nothing scheduled)
+    optimizer.state_averager.step(averaging_round=True)  # still none: skipped
+    assert rounds == [False]
+    helpers.append("aux")  # the aux peer announces itself, well within HELPER_LOOKUP_PERIOD
+    optimizer.state_averager.step(averaging_round=True)
+    assert rounds == [False, True]
+
+
 @pytest.mark.parametrize(
     ("maddr", "kind"),
     [

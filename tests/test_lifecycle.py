@@ -60,6 +60,13 @@ class FakeDHT:
         self.events.append("stop dht")
         self.alive = False
 
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.alive else 0
+
 
 class FakeAuth:
     experiment_public_key, client = "ssh-rsa KEY", "client"

@@ -90,8 +90,10 @@ def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
     said = {"skipped": False}
     helper = {"present": False, "next_look": 0.0}
 
-    def helper_present() -> bool:
-        if time.monotonic() >= helper["next_look"]:
+    def helper_present(deciding: bool) -> bool:
+        # an answer "no helper" is looked up again before a round is skipped on it: a trainer that looked as the
+        # helper started skipped the helper's first parameter round on an answer 3 s old (a clean-clone run)
+        if time.monotonic() >= helper["next_look"] or (deciding and not helper["present"]):
             helper["next_look"] = time.monotonic() + HELPER_LOOKUP_PERIOD
             try:
                 helper["present"] = bool(parameter_helpers(optimizer.dht, optimizer.run_id))
@@ -99,13 +101,13 @@ def skip_state_rounds_that_cannot_form(optimizer: Any) -> None:
                 logger.debug(f"Looking for a parameter helper failed: {e!r}")
         return bool(helper["present"])
 
-    def cannot_form() -> bool:
+    def cannot_form(deciding: bool = False) -> bool:
         records = optimizer.tracker.active_peers.values()
         all_clients = bool(records) and optimizer.client_mode and all(record.client_mode for record in records)
-        return all_clients and not helper_present()
+        return all_clients and not helper_present(deciding)
 
     def state_step(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("averaging_round") and cannot_form():
+        if kwargs.get("averaging_round") and cannot_form(deciding=True):
             control = kwargs.pop("averaging_control", None)
             if control is not None and not control.done():
                 control.cancel()
