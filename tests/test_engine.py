@@ -450,6 +450,40 @@ def test_in_background_mode_a_step_is_declared_once_its_update_is_applied():
         assert 1 <= averager.state_sharing_priority < 2
 
 
+def test_a_served_state_carries_the_step_of_its_parameters():
+    """hivemind moves a peer's step forward as the step's update is handed to its executor, before the optimizer step
+    runs: a state served in between carried step 1 with step 0's parameters (a joiner began step 6 with the server's
+    step-5 weights, a clean-clone run of tests/test_faults.py). A download now waits for the update under way. Here
+    the update is held at a gate until the state has been asked for."""
+    with lone_peer("label", target=2, batch=1) as (swarm, optimizer, param):
+        swarm.catch_up()
+        averager, gate, entered = optimizer.state_averager, threading.Event(), threading.Event()
+        averager.serve_wait = 30.0
+        do = averager._do
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            assert gate.wait(timeout=30)
+            return do(*args, **kwargs)
+
+        averager._do = gated
+        feed(optimizer, param, 1)
+        stepping = threading.Thread(target=feed, args=(optimizer, param, 1))  # the step is due: held at the gate
+        stepping.start()
+        assert entered.wait(timeout=30) and averager.local_epoch == 1
+        served: list[Any] = []
+        serving = threading.Thread(target=lambda: served.append(averager.get_current_state()))
+        serving.start()
+        serving.join(timeout=2.0)
+        held_back = serving.is_alive()  # hivemind's: served at once, step 1 with step 0's parameters
+        gate.set()
+        serving.join(timeout=30)
+        stepping.join(timeout=30)
+        metadata, tensors, _ = served[0]
+        assert held_back, (metadata["epoch"], tensors[0].tolist())
+        assert metadata["epoch"] == 1 and tensors[0].tolist() == [-1.0] * 4  # SGD, lr 1, gradients of ones
+
+
 def test_a_state_download_that_failed_asks_that_source_again_after_the_others():
     """A joiner's state download goes through the sources in order; one whose download failed (a stream cut short)
     is asked again after the others, once: a joiner whose only honest source failed once trained from its own

@@ -24,6 +24,7 @@ import math
 import multiprocessing as mp
 import queue
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -452,22 +453,60 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
 
     def __init__(self, *args: Any, aggregation: Aggregation = MEAN, **kwargs: Any):
         self.aggregation = aggregation
+        self._updates = threading.Condition()  # guards _updates_due; notified as an update ends
+        self._updates_due = 0  # updates (optimizer step, parameter round) asked for by step() and not yet ended
+        self.serve_wait: float | None = None  # seconds a state download waits for them (None: half a chunk's timeout)
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
         caps = {peer: 1.0 for peer in group_info.peer_ids}  # every peer weighs 1 in state averaging (hivemind's)
         await run_robust_allreduce_(self, self.aggregation, tensors, group_info, weight_caps=caps, **kwargs)
 
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """hivemind's; counts the update it hands its executor (`_do`) until that update ends. hivemind moves the step
+        (`local_epoch`) forward here, before the executor runs the optimizer step: a state served in between carried
+        the new step's label with the old step's parameters (a joiner began step 6 with the server's step-5 weights
+        in a clean-clone run of tests/test_faults.py)."""
+        if not (kwargs.get("optimizer_step") or kwargs.get("zero_grad") or kwargs.get("averaging_round")):
+            return super().step(*args, **kwargs)
+        with self._updates:
+            self._updates_due += 1
+        known = set(self.pending_updates)
+        try:
+            return super().step(*args, **kwargs)
+        except BaseException:
+            if not set(self.pending_updates) - known:  # raised before handing the update over: it never runs
+                self._update_ended()
+            raise
+
+    def _do(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._do(*args, **kwargs)
+        finally:
+            self._update_ended()
+
+    def _update_ended(self) -> None:
+        with self._updates:
+            self._updates_due = max(0, self._updates_due - 1)
+            self._updates.notify_all()
+
     def get_current_state(self) -> tuple[Any, list[torch.Tensor], Any]:
-        """hivemind's state for a peer that downloads it, as one snapshot. hivemind 1.1.12 read the step, then handed
-        the averager process the live parameter tensors themselves (`.cpu()` of a CPU tensor is the tensor; the pipe
-        shares its memory), and they were read while being sent: a joiner got step k's label with step k+1's
-        parameters whenever the server stepped meanwhile (tests/test_faults.py, once the steps got short). Here the
-        tensors are copied while no optimizer step is running. (Not waiting for a parameter round as well: it can last
-        `averaging_timeout`, longer than a joiner waits for the first chunk.)"""
-        with self.lock_optimizer:
-            metadata, tensors, infos = super().get_current_state()
-            return metadata, [tensor.detach().clone() for tensor in tensors], infos
+        """hivemind's state for a peer that downloads it, as one snapshot of one step: once the updates under way
+        have ended (the step's optimizer step, and its parameter round if that ends within `serve_wait`), while no
+        other begins. hivemind 1.1.12 read the step, then handed the averager process the live parameter tensors
+        themselves (`.cpu()` of a CPU tensor is the tensor; the pipe shares its memory), and they were read while being
+        sent: a joiner got step k's label with step k+1's parameters whenever the server stepped meanwhile
+        (tests/test_faults.py, once the steps got short). The tensors are copied while no optimizer step runs. (A
+        parameter round longer than `serve_wait`, up to `averaging_timeout`, is not waited for: the joiner waits for
+        the first chunk only so long; it then gets the step's parameters before that round.)"""
+        wait = self.serve_wait
+        if wait is None:
+            wait = 0.5 * float(self.next_chunk_timeout or self.request_timeout)
+        with self._updates:  # step() cannot begin another update while the state is read
+            self._updates.wait_for(lambda: self._updates_due == 0, timeout=wait)
+            with self.lock_optimizer:
+                metadata, tensors, infos = super().get_current_state()
+                return metadata, [tensor.detach().clone() for tensor in tensors], infos
 
     def _expected_state_shapes(self) -> list[tuple] | None:
         with torch.no_grad(), self.lock_averaged_tensors:
