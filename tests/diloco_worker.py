@@ -53,6 +53,10 @@ class SyncRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.spec.get("sleep_per_step"):
             time.sleep(self.spec["sleep_per_step"])
+        if state.global_step == self.spec.get("hold_at_step"):  # until another process is there (e.g. a joiner)
+            deadline = time.monotonic() + 120
+            while not Path(self.spec["hold_until"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         self._maybe_record(state)
 
     def on_save(self, args, state, control, **kwargs):

@@ -84,6 +84,8 @@ class DiLoCoPeerSpec(_Common):
     report_to: list[str] = []
     download_at_start: bool = True  # False: the peer keeps its own parameters at start (a failed download)
     revert_delay: float = Field(0.0, ge=0)  # apply a revert order only that many seconds after first seeing it
+    hold_at_step: int | None = Field(None, ge=1, description="after this inner step, wait for `hold_until` to exist")
+    hold_until: str | None = None  # a file another process writes (a joiner's ready.json); waited for 120 s at most
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

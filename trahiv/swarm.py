@@ -376,10 +376,11 @@ class Swarm:
             started = self._start_together()
             if started is not None:
                 return started
+        offered = f" (a peer offers the state of step {served})" if served > tracker.global_epoch else ""
         logger.info(
-            f"Swarm {self.run_id!r} is at step {swarm_step} with {len(others)} other training peer(s); downloading "
-            "its state before training"
-        )
+            f"Swarm {self.run_id!r} is at step {tracker.global_epoch}{offered} with {len(others)} other training "
+            "peer(s); downloading its state before training"
+        )  # (an offered step is only a peer's word: a forged one read "the swarm is at step 1000000000")
         self.optimizer.load_state_from_peers()
         return True
 
