@@ -108,10 +108,7 @@ def _wait_until_started(dht: hivemind.DHT) -> None:
     try:
         dht.wait_until_ready(DHT_START_TIMEOUT)
     except concurrent.futures.TimeoutError:
-        fixes.kill_descendants(dht.pid)
-        dht.kill()
-        dht.join(1.0)
-        fixes.free_locks_of_killed([dht])
+        fixes.kill_engine_processes([dht])
         raise SwarmJoinError(
             f"The DHT process did not start within {DHT_START_TIMEOUT:g} s (stopped); nothing else was started. "
             "Run again with TRAHIV_DEBUG=1 to see the engine's log."
@@ -491,9 +488,4 @@ class Swarm:
         closer = threading.Thread(target=close, name="trahiv-shutdown", daemon=True)
         closer.start()
         closer.join(timeout)
-        for process in processes:  # whatever did not stop in time is killed, with its children (p2pd)
-            if process.is_alive():
-                fixes.kill_descendants(process.pid)
-                process.kill()
-                process.join(1.0)
-        fixes.free_locks_of_killed(processes)  # a swarm started later in this process must not block on them
+        fixes.kill_engine_processes(processes)  # whatever did not stop in time, with its children (p2pd)

@@ -172,6 +172,17 @@ def kill_descendants(pid: int | None = None, sig: int = signal.SIGKILL) -> list[
     return [child.pid for child in children]
 
 
+def kill_engine_processes(processes: Any) -> None:
+    """SIGKILL the engine processes still alive, with their children (a DHT's p2pd), reap them, and free the locks
+    they may have held (`free_locks_of_killed`): a swarm started later in this process must not block on them."""
+    for process in processes:
+        if process.is_alive():
+            kill_descendants(process.pid)
+            process.kill()
+            process.join(1.0)
+    free_locks_of_killed(processes)
+
+
 def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_SECONDS)
