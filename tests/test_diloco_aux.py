@@ -15,6 +15,7 @@ from swarm_helpers import ENV, start_peer, stop, wait_for
 
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
+    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
@@ -30,9 +31,10 @@ def sha256(tensor: torch.Tensor) -> str:  # as tests/diloco_worker.py records th
     return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def start_aux(tmp: Path, workdir: Path) -> tuple[subprocess.Popen, Path, list[str]]:
-    """`trahiv aux` with the trainers' config (its `diloco` section), keeping a checkpoint of every outer step."""
-    out, addresses, log = tmp / "auxiliary", tmp / "aux-addresses.json", tmp / "aux.log"
+def start_aux(tmp: Path, workdir: Path, name: str = "aux") -> tuple[subprocess.Popen, Path, list[str]]:
+    """`trahiv aux` with the trainers' config (its `diloco` section), keeping a checkpoint of every outer step (in
+    tmp/auxiliary, whatever its `name`: a restarted one serves the newest checkpoint there)."""
+    out, addresses, log = tmp / "auxiliary", tmp / f"{name}-addresses.json", tmp / f"{name}.log"
     config = {"dht": {"nat_port_map": False}, "opt": {"run_id": RUN, "target_batch_size": 1},
               "diloco": {"inner_steps": INNER_STEPS}}  # fmt: skip
     command = [
@@ -65,11 +67,43 @@ def test_keeper_sets_aside_outer_steps_after_a_revert(tmp_path):
         save_checkpoint(folder, state, model, run_id=RUN, extra={"diloco": {"outer_step": step}})
     keeper = DiLoCoStateKeeper(StateKeeperConfig(model="unused", checkpoint_dir=str(folder)), model=model)
     keeper.held = 3
+
+    class Mirror:  # what the keeper serves to joiners
+        served: list = []
+
+        def serve(self, state):
+            self.served.append(state.step)
+
+        def withdraw(self):
+            self.served.append(None)
+
+    keeper.diloco_mirror = Mirror()  # type: ignore[assignment]
     moved = keeper.apply_revert(revert_id=7, step=1)
     assert sorted(path.name for path in moved) == ["checkpoint-2", "checkpoint-3"]
     assert [path.name for path in list_checkpoints(folder)] == ["checkpoint-1"]
     assert keeper.held == 1  # the next checkpoint: outer step 2 of the reverted swarm
+    assert Mirror.served == [1]  # no longer outer step 3
     assert (folder / "reverted-7" / "checkpoint-3" / "trahiv_state.json").exists()
+    keeper.apply_revert(revert_id=8, step=0)
+    assert Mirror.served == [1, None] and keeper.held is None
+    keeper.diloco_mirror = None
+
+
+def test_keeper_refuses_a_synchronous_swarms_checkpoint(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from trahiv.auxiliary.diloco import DiLoCoStateKeeper
+    from trahiv.auxiliary.state import StateKeeperConfig
+    from trahiv.demo import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, n_embd=32, n_head=2))
+    params = [p.detach().clone() for _, p in swarm_parameters(model)]
+    folder = tmp_path / "checkpoints"
+    metadata = [{"type": "tensor", "index": i} for i in range(len(params))]  # an optimizer state, not outer momenta
+    save_checkpoint(folder, SwarmState(5, params, metadata, params), model, run_id=RUN)
+    keeper = DiLoCoStateKeeper(StateKeeperConfig(model="unused", checkpoint_dir=str(folder)), model=model)
+    with pytest.raises(ValueError, match="checkpoint-5 is a checkpoint of a synchronous swarm, not the outer state"):
+        keeper.start_with(dht=None, run_id=RUN)
 
 
 PEER = "12D3KooWCMqkmGbLW8rYCgpNaaVFH5xaVMaAx5wNVfYD7jZ3Z9D5"
@@ -151,3 +185,24 @@ def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_pa
             assert weights == sync[outer], (path, [n for n in weights if weights[n] != sync[outer].get(n)])
         momenta = checkpoint.optimizer_state["tensors"]
         assert len(momenta) == len(weights) and any(bool(m.abs().sum() > 0) for m in momenta)
+
+    # The whole swarm stopped. Restarted on the same checkpoint directory, the aux peer serves its newest checkpoint,
+    # and a trainer started afterwards with its usual script continues from it: that outer step, those outer
+    # parameters, the inner step count and LR schedule at outer step x H.
+    newest = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    aux, _, initial_peers = start_aux(tmp_path, workdir, name="aux-restarted")
+    peer = start_peer(tmp_path, "c", worker="diloco_worker.py", **{**common, "initial_peers": initial_peers,
+                      "max_steps": (newest.step + 1) * INNER_STEPS, "opt": {"min_peers": 1}})  # fmt: skip
+    try:
+        done = peer.finish(timeout=150)
+    finally:
+        stop(peer.process)
+        stop(aux)
+    log = (tmp_path / "aux-restarted.log").read_text()
+    assert f"(DiLoCo outer step {newest.step}) to peers that join" in log, log[-3000:]
+    first = peer.records("sync")[0]
+    assert (first["outer_step"], first["global_step"]) == (newest.step, newest.step * INNER_STEPS), first
+    weights = {name: sha256(t) for name, t in newest.model_state_dict().items()}
+    assert first["outer_sha256"] == first["sha256"] == weights, "the trainer did not start from the checkpoint"
+    assert done["outer_step"] == newest.step + 1, done
+    assert "starting from it" in peer.log(), peer.log()[-3000:]

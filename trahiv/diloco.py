@@ -64,6 +64,7 @@ from trahiv.compression import make_compression
 from trahiv.config import HivemindConfig
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
+from trahiv.engine.optimizer import newest_served
 from trahiv.engine.traffic import total_traffic
 from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
 
@@ -659,8 +660,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def join(self) -> bool:
         """Before training: adopt the swarm's outer state unless this peer is the one others should start from (the
-        earliest-started peer at the highest outer step). Return True if a state was downloaded."""
+        earliest-started peer at the highest outer step). Return True if a state was downloaded.
+
+        A peer that serves an outer step later than every training peer's (an auxiliary peer restarted from its
+        checkpoint of a stopped swarm: `trahiv aux --model ...`) comes first: every trainer starts from that state."""
         others = self._others()
+        served = newest_served(self.swarm.dht, f"{self.run_id}_diloco")
+        if served > max([self.outer_step, *(r.outer_step for r in others.values())]):
+            logger.info(f"A peer serves DiLoCo swarm {self.run_id!r}'s outer state at outer step {served}, later than "
+                        "any training peer's (a checkpoint): starting from it")  # fmt: skip
+            if self._adopt_swarm_state(prefer=None, follow_inner=False, joining=True):
+                return True
+            logger.warning(f"Could not download the outer state of outer step {served}")
         if not others:
             return False
         me = PeerProgress(self.swarm.peer_id, self.outer_step, 0, self.interval, 0, 0.0, 0.0, self.started)

@@ -13,8 +13,12 @@ parameters.
   outer steps); the model files hold the outer parameters, `optimizer_state.pt` the outer momenta (one tensor entry
   per parameter, `"role": "outer_momentum"`), and `trahiv_state.json` adds `"diloco": {"outer_step", "inner_steps",
   "global_step"}` (global_step = outer_step x inner_steps, the trainers' `state.global_step` right after that sync).
-  Not served to joiners (they download the outer state from trainers). In a moderated swarm a revert order to outer
-  step N moves the checkpoints of later outer steps to `reverted-<order id>/`, as in the synchronous mode.
+  It serves the newest one it holds, its outer step as its state-sharing priority: at start (unless `--no-resume`) it
+  loads its newest checkpoint, so a whole DiLoCo swarm that stopped restarts from it (trainers started afterwards see
+  an outer step served later than any training peer's and download it, `DiLoCoOptimizer.join`); a joiner of a running
+  swarm downloads from a trainer (the peer at the highest outer step). In a moderated swarm a revert order to outer
+  step N moves the checkpoints of later outer steps to `reverted-<order id>/` and serves the newest one left (or
+  nothing), as in the synchronous mode.
 """
 
 from __future__ import annotations
@@ -166,6 +170,11 @@ class DiLoCoMirror(DiLoCoAverager):
         self.allow_state_sharing = True
         self.state_sharing_priority = float(state.step)
 
+    def withdraw(self) -> None:
+        """Serve nothing (a revert set aside the state served)."""
+        self.allow_state_sharing = False
+        self.state_source = None
+
     def download(self, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         return self.load_state_from_peers(timeout=timeout)
 
@@ -190,9 +199,19 @@ class DiLoCoStateKeeper(StateKeeper):
 
     def start_with(self, dht: Any, run_id: str, gate: Any = None) -> None:
         self._dht, self.run_id = dht, run_id
+        served = self._newest_checkpoint() if self.config.resume else None  # bad checkpoints fail before any process
+        if served is not None and not is_diloco_state(served[1]):
+            raise ValueError(
+                f"{served[0]} is a checkpoint of a synchronous swarm, not the outer state of a DiLoCo swarm: choose "
+                "another checkpoint directory, or start without resuming (--no-resume)"
+            )
         shapes = [tuple(p.shape) for _, p in self.named]
         with engine.children_ignore_sigint():
             self.diloco_mirror = gated(DiLoCoMirror, gate)(dht=dht, run_id=run_id, shapes=shapes)
+        if served is not None:
+            self.diloco_mirror.serve(served[1])
+            self.held = served[1].step
+            logger.info(f"Serving checkpoint {served[0]} (DiLoCo outer step {self.held}) to peers that join")
         self._thread = threading.Thread(target=self._loop, name="trahiv-diloco-keeper", daemon=True)
         self._thread.start()
         logger.info(f"Keeping checkpoints of the outer parameters of DiLoCo swarm {run_id!r}")
@@ -214,6 +233,15 @@ class DiLoCoStateKeeper(StateKeeper):
         remaining = latest_checkpoint(self.config.checkpoint_dir)
         self.held = None if remaining is None else load_checkpoint(remaining).step
         return moved
+
+    def _serve_newest_left(self) -> None:
+        remaining = latest_checkpoint(self.config.checkpoint_dir)
+        self.held = None if remaining is None else load_checkpoint(remaining).step
+        if self.diloco_mirror is not None:
+            if remaining is not None:
+                self.diloco_mirror.serve(load_checkpoint(remaining).swarm_state())
+            else:
+                self.diloco_mirror.withdraw()
 
     def poll(self) -> Path | None:
         """If the swarm's outer step crossed a multiple of `checkpoint_every`, download the outer state and save it."""
@@ -243,6 +271,7 @@ class DiLoCoStateKeeper(StateKeeper):
             self.config.checkpoint_dir, state, self.model, run_id=self.run_id, source="diloco", extra={"diloco": info}
         )
         prune_checkpoints(self.config.checkpoint_dir, self.config.keep_checkpoints)
+        self.diloco_mirror.serve(state)
         self.held = outer_step
         self.saved.append(path)
         logger.info(f"Saved checkpoint {path} (DiLoCo outer step {outer_step})")

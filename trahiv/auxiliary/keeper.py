@@ -165,12 +165,8 @@ class StateKeeper:
             os.replace(path, target)
             moved.append(target)
         held = self.step
-        if self.mirror is not None and held is not None and held > step:
-            remaining = latest_checkpoint(folder)
-            if remaining is not None:
-                self.mirror.serve(load_checkpoint(remaining).swarm_state())
-            else:
-                self.mirror.withdraw()
+        if held is not None and held > step:
+            self._serve_newest_left()
         self._paused_until = time.monotonic() + grace
         self._failed_step = -1
         now = self.step
@@ -180,6 +176,15 @@ class StateKeeper:
             + (f"serving step {now}" if now is not None else "serving no state")
         )
         return moved
+
+    def _serve_newest_left(self) -> None:
+        """After a revert set aside the state served: serve the newest checkpoint left, or nothing."""
+        remaining = latest_checkpoint(self.config.checkpoint_dir)
+        if self.mirror is not None:
+            if remaining is not None:
+                self.mirror.serve(load_checkpoint(remaining).swarm_state())
+            else:
+                self.mirror.withdraw()
 
     def poll(self) -> Path | None:
         """If the swarm crossed a multiple of `checkpoint_every` since the state held here, download and save it."""

@@ -68,6 +68,7 @@ __all__ = [
     "SwarmProgressTracker",
     "grad_averager_factory",
     "in_group",
+    "newest_served",
     "newest_served_step",
     "stop_tracker_quietly",
     "request_timeout",
@@ -93,7 +94,14 @@ def in_group(control: Any) -> bool:
 def newest_served_step(dht: hivemind.DHT, run_id: str) -> int:
     """The highest collaborative step another peer offers its state at: trainers and auxiliary peers declare the
     step of the state they serve as their state-sharing priority under `{run_id}_state_averager.all_averagers`."""
-    found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+    return newest_served(dht, f"{run_id}_state_averager")
+
+
+def newest_served(dht: hivemind.DHT, prefix: str) -> int:
+    """The highest state-sharing priority another averager of `prefix` declares (hivemind's `{prefix}.all_averagers`
+    key: a subkey per peer, the priority as its value); trahiv's averagers declare the step of the state they serve
+    (the collaborative step, or DiLoCo's outer step under `{run_id}_diloco`). 0 if none."""
+    found = dht.get(f"{prefix}.all_averagers", latest=True)
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
     own = dht.peer_id.to_bytes()
     steps = [getattr(entry, "value", None) for peer, entry in entries.items() if peer != own]
