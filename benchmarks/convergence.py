@@ -7,6 +7,7 @@ Run:
     .venv/bin/python benchmarks/convergence.py --compression none   # 4 peers x 2 samples x 4 local steps, 30 steps
     .venv/bin/python benchmarks/convergence.py --compression size_adaptive   # the Internet setting
     .venv/bin/python benchmarks/convergence.py --compression size_adaptive --state-compression fp16
+    .venv/bin/python benchmarks/convergence.py --compression none --data-order shared   # the same samples
 
 hivemind's target_batch_size is a minimum: peers keep computing until they see the swarm reach it, so the swarm's
 real samples per step (reported) exceed the global batch, by far when local steps are short against the progress
@@ -19,6 +20,9 @@ half-shifted block overlapping it, are never trained on. Each trahiv peer shuffl
 own order (seeded by its identity); the single process sees the same number of samples in one order. Last partial
 batches are dropped in both, so every optimizer step sees exactly the global batch. The baseline is also run with
 --baseline-seeds data orders, to show how much the final loss moves with the data order alone (the noise floor).
+--data-order shared removes that noise from the comparison: the Trainer reads one permutation in order and each
+trahiv peer reads its share of each of the Trainer's batches (`shared_order`), so swarm and Trainer train on the same
+samples step by step whenever every peer computes exactly its share.
 """
 
 from __future__ import annotations
@@ -172,6 +176,46 @@ def make_recorder(spec: dict, eval_blocks, get_swarm=None):
     return Recorder()
 
 
+def seed_data_order_by_rank(spec: dict) -> None:
+    """With spec["data_order"] == "rank", a peer shuffles its data with a seed from (--seed, its rank) instead of its
+    random identity: runs of the same command then read the same samples, and a synchronous run (one local step per
+    peer and step) and a DiLoCo run train on the same samples, so their eval losses compare pairwise."""
+    if spec.get("data_order") != "rank":
+        return
+    from trahiv.swarm import Swarm
+
+    fixed = 1_000_003 * spec["seed"] + spec["rank"]
+    Swarm.peer_seed = lambda self, base_seed=0: fixed  # type: ignore[method-assign]
+
+
+def sequential_if_shared(spec: dict) -> dict:
+    return {"train_sampling_strategy": "sequential"} if spec.get("data_order") == "shared" else {}
+
+
+def shared_order(train, spec: dict, rank: int | None = None):
+    """With spec["data_order"] == "shared": the one Trainer (`rank` None) reads one permutation of the training
+    blocks (seeded by spec["seed"]) in order, step k the blocks [G k, G (k + 1)) of it (G the global batch), and
+    trahiv peer `rank` reads its share of each of those steps, [G k + S rank, G k + S (rank + 1)) with S = G / peers:
+    when every peer computes its share of every collaborative step, the swarm's averaged gradient is the Trainer's
+    (same samples; dropout draws differ), so the two eval losses compare without the data order's own spread.
+    Otherwise `train` itself (each trahiv peer shuffles by its identity or, with "rank", by (seed, rank))."""
+    if spec.get("data_order") != "shared":
+        return train
+    import torch
+
+    width = spec["global_batch"]
+    rows = 2 * spec["steps"] + 2  # (slack: a peer that computed more than its share reads on)
+    generator = torch.Generator().manual_seed(spec["seed"])
+    epochs = -(-rows * width // len(train))
+    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(epochs)])[: rows * width]
+    if rank is None:
+        indices = order[: spec["steps"] * width]
+    else:
+        share = width // spec["peers"]
+        indices = order.view(rows, width)[:, rank * share : (rank + 1) * share].reshape(-1)
+    return torch.utils.data.Subset(train, indices.tolist())
+
+
 # --- the two kinds of worker (each its own process) ---------------------------------------------------------------
 
 
@@ -189,8 +233,10 @@ def peer_worker(spec: dict) -> dict:
         from trahiv.engine.optimizer import SwarmOptimizer
 
         SwarmOptimizer._refresh_progress_if_due = lambda self: None
+    seed_data_order_by_rank(spec)
     workdir, out = Path(spec["workdir"]), Path(spec["out"])
     train, eval_blocks = BlockDataset.load(workdir / "train.pt"), torch.load(workdir / "eval.pt")
+    train = shared_order(train, spec, spec["rank"])
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
     opt = {
         "run_id": spec["run_id"], "target_batch_size": spec["global_batch"], "min_peers": spec["peers"],
@@ -200,7 +246,8 @@ def peer_worker(spec: dict) -> dict:
         **spec["opt"],
     }  # fmt: skip
     dht = {"initial_peers": spec["initial_peers"], "host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False}
-    args = training_arguments(TrainingArguments, spec, out, spec["batch"], hivemind_config={"dht": dht, "opt": opt})
+    args = training_arguments(TrainingArguments, spec, out, spec["batch"], hivemind_config={"dht": dht, "opt": opt},
+                              **sequential_if_shared(spec))  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=train)
     recorder = make_recorder({**spec, "local_batch": spec["batch"], "curve": spec["rank"] == 0}, eval_blocks,
                              lambda: trainer.swarm)  # fmt: skip
@@ -225,9 +272,10 @@ def baseline_worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     workdir, out = Path(spec["workdir"]), Path(spec["out"])
     train, eval_blocks = BlockDataset.load(workdir / "train.pt"), torch.load(workdir / "eval.pt")
+    train = shared_order(train, spec)
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
     global_batch = spec["global_batch"]
-    args = training_arguments(transformers.TrainingArguments, spec, out, global_batch)
+    args = training_arguments(transformers.TrainingArguments, spec, out, global_batch, **sequential_if_shared(spec))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=train)
     recorder = make_recorder({**spec, "local_batch": global_batch}, eval_blocks)
     trainer.add_callback(recorder)
@@ -383,6 +431,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus", choices=["demo", "stdlib"], default="demo", help="see prepare_stdlib_workdir")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="baseline runs with data orders seed, seed+1...")
+    parser.add_argument(
+        "--data-order",
+        choices=["identity", "rank", "shared"],
+        default="identity",
+        help="identity: each peer shuffles by its random identity (trahiv's default); rank: by (seed, rank); shared: "
+        "the Trainer's order of --seed split into the peers' shares of each step (see shared_order)",
+    )
     parser.add_argument("--timeout", type=float, default=540, help="seconds for the whole swarm run")
     parser.add_argument("--output", help="also write the JSON there")
     parser.add_argument("--keep", help="work in this folder and keep it (logs of every process), not a temporary one")
@@ -409,6 +464,7 @@ def main() -> None:
             "workdir": str(tmp / "work"), "peers": args.peers, "batch": args.batch, "steps": args.steps,
             "lr": args.lr, "warmup": args.warmup, "scheduler": args.scheduler, "max_grad_norm": args.max_grad_norm,
             "seed": args.seed, "global_batch": args.peers * args.batch * args.local_steps,
+            "data_order": args.data_order,
         }  # fmt: skip
 
         baselines = []
@@ -458,7 +514,7 @@ def main() -> None:
         "benchmark": "convergence",
         "command": " ".join([".venv/bin/python", "benchmarks/convergence.py", *sys.argv[1:]]),
         "model": "demo tiny GPT-2 (2 layers x 128, vocab 512, 0.47M params), blocks of 64 tokens",
-        "corpus": args.corpus, "train_blocks": n_train, "eval_blocks": n_eval,
+        "corpus": args.corpus, "train_blocks": n_train, "eval_blocks": n_eval, "data_order": args.data_order,
         "peers": args.peers, "batch_per_peer": args.batch, "local_steps_per_collaborative_step": args.local_steps,
         "global_batch": spec["global_batch"],
         "steps": args.steps, "optimizer": "adamw_torch", "lr": args.lr, "scheduler": args.scheduler,

@@ -16,8 +16,11 @@ Data (--corpus): `demo` is the demo's text, 67 training blocks: 100 steps of 4 x
 and the eval loss at the end measures overfitting as much as training (the synchronous run, which overshoots its
 target batch, overfits most). `stdlib` is the Python standard library's own source (no download): 20,000 training
 blocks, none read twice, held-out files for evaluation; DiLoCo's paper trained on C4 without repetition.
---outer-lr / --outer-momentum set DiLoCo's outer step (0.7 and Nesterov 0.9, the paper's); --warm-start N first trains
-one worker N steps of N x B and starts every run from that model, as the paper started from a pretrained model.
+--data-order rank (the default) seeds each peer's data order by (--seed, its rank): runs repeat, and (b) and (c), one
+local step of B per peer and step, read the same samples; identity shuffles by the peers' random identities, as
+trahiv does. --outer-lr / --outer-momentum set DiLoCo's outer step (0.7 and Nesterov 0.9, the paper's);
+--warm-start N first trains one worker N steps of N x B and starts every run from that model, as the paper started
+from a pretrained model.
 
 Run (small defaults, a few minutes on 2 cores):
     .venv/bin/python benchmarks/diloco.py --corpus stdlib --output benchmarks/results/diloco_4peers_stdlib.json
@@ -50,6 +53,7 @@ def diloco_worker(spec: dict) -> dict:
     from trahiv.demo import BlockDataset
 
     torch.set_num_threads(spec["threads"])
+    convergence.seed_data_order_by_rank(spec)
     workdir, out = Path(spec["workdir"]), Path(spec["out"])
     train, eval_blocks = BlockDataset.load(workdir / "train.pt"), torch.load(workdir / "eval.pt")
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")
@@ -184,7 +188,14 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"], help="configs not to run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights, (a)'s data order, with --data-order rank")
+    parser.add_argument(
+        "--data-order",
+        choices=["rank", "identity"],
+        default="rank",
+        help="rank: each peer's order seeded by (--seed, rank), the same in every run and mode; identity: by the "
+        "peer's random identity, as trahiv does",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each swarm run")
     parser.add_argument("--output", help="also write the JSON there")
     parser.add_argument("--keep", help="work in this folder and keep it (logs of every process)")
@@ -208,7 +219,7 @@ def main() -> None:
                 "seed": args.seed, "matchmaking_time": args.matchmaking_time, "timeout": args.timeout,
                 "averaging_timeout": args.averaging_timeout, "threads": max(1, cores // args.peers),
                 "overlap": args.overlap, "fragments": args.fragments, "outer_lr": args.outer_lr,
-                "outer_momentum": args.outer_momentum}  # fmt: skip
+                "outer_momentum": args.outer_momentum, "data_order": args.data_order}  # fmt: skip
         runs: dict[str, Any] = {}
         if args.warm_start:  # DiLoCo's paper started its runs from a model pretrained by one worker (24k steps)
             folder = tmp / "warm_start"
@@ -246,7 +257,7 @@ def main() -> None:
         "inner_steps_total": args.steps, "inner_optimizer": "adamw_torch", "lr": args.lr,
         "compression": args.compression, "overlap": args.overlap, "fragments": args.fragments,
         "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "warm_start_steps": args.warm_start,
-        "corpus": args.corpus, "train_eval_blocks": data,
+        "seed": args.seed, "data_order": args.data_order, "corpus": args.corpus, "train_eval_blocks": data,
         "runs": runs, "cpu_cores": cores, "load_average_1_5_15": {"start": load_before, "end": os.getloadavg()},
     })  # fmt: skip
     text = json.dumps(report, indent=2)
