@@ -226,20 +226,16 @@ class DiLoCoStateKeeper(StateKeeper):
     def step(self) -> int | None:
         return self.held
 
-    def apply_revert(self, revert_id: int, step: int, grace: float = 0.0) -> list[Path]:
-        """A moderator reverted the swarm to outer step `step`: later checkpoints go to `reverted-<id>/` (see
-        StateKeeper.apply_revert), and the next checkpoint is the first outer step after the newest one left."""
-        moved = super().apply_revert(revert_id, step, grace)
-        remaining = latest_checkpoint(self.config.checkpoint_dir)
-        self.held = None if remaining is None else load_checkpoint(remaining).step
-        return moved
-
     def _serve_newest_left(self) -> None:
+        """A moderator reverted the swarm to an outer step before the one held (StateKeeper.apply_revert moved the later
+        checkpoints to `reverted-<id>/`): serve the newest checkpoint left, or nothing; the next checkpoint is the first
+        outer step after it."""
         remaining = latest_checkpoint(self.config.checkpoint_dir)
-        self.held = None if remaining is None else load_checkpoint(remaining).step
+        state = None if remaining is None else load_checkpoint(remaining).swarm_state()
+        self.held = None if state is None else state.step
         if self.diloco_mirror is not None:
-            if remaining is not None:
-                self.diloco_mirror.serve(load_checkpoint(remaining).swarm_state())
+            if state is not None:
+                self.diloco_mirror.serve(state)
             else:
                 self.diloco_mirror.withdraw()
 
