@@ -16,9 +16,10 @@ Data (--corpus): `demo` is the demo's text, 67 training blocks: 100 steps of 4 x
 and the eval loss at the end measures overfitting as much as training (the synchronous run, which overshoots its
 target batch, overfits most). `stdlib` is the Python standard library's own source (no download): 20,000 training
 blocks, none read twice, held-out files for evaluation; DiLoCo's paper trained on C4 without repetition.
---data-order rank (the default) seeds each peer's data order by (--seed, its rank): runs repeat, and (b) and (c), one
-local step of B per peer and step, read the same samples; identity shuffles by the peers' random identities, as
-trahiv does. --outer-lr / --outer-momentum set DiLoCo's outer step (0.7 and Nesterov 0.9, the paper's);
+--data-order rank (the default) seeds each peer's data order by (--seed, its rank): every run, (b) and (c) alike (one
+local step of B per peer and step), reads the same samples (their losses still move by a fraction of a percent
+between runs: a float's difference in an average grows over the steps); identity shuffles by the peers' random
+identities, as trahiv does. --outer-lr / --outer-momentum set DiLoCo's outer step (0.7 and Nesterov 0.9, the paper's);
 --warm-start N first trains one worker N steps of N x B and starts every run from that model, as the paper started
 from a pretrained model.
 
