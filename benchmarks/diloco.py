@@ -5,7 +5,10 @@ At equal inner steps (--steps) and per-peer batch (--batch), on the demo's tiny 
   (b) synchronous trahiv, N peers, one local step of B per collaborative step (global batch N x B), --steps steps;
   (c) DiLoCo, N peers, batch B each, --steps inner steps, for each H in --inner-steps;
   (d) DiLoCo with 8-bit pseudo-gradients (--quantized, default uniform8bit), at the first H;
-  (e) DiLoCo at the first H with one peer killed (SIGKILL) once the swarm passed a third of the outer steps.
+  (e) DiLoCo at the first H with one peer killed (SIGKILL) once the swarm passed a third of the outer steps;
+  (f) one worker at the swarm's global batch N x B (plain transformers.Trainer, deterministic): in exact arithmetic
+      the update (b) makes (the sample-weighted mean of the peers' gradients is the gradient of their samples
+      together), on other samples in another order, with other dropout draws.
 Each reports the eval loss on held-out blocks (the convergence benchmark's split) and the bytes each peer's averagers
 sent and received (`averaging_bytes_sent` / `_received`, cumulative). Prints JSON (and writes it with --output).
 
@@ -188,7 +191,9 @@ def main() -> None:
     parser.add_argument("--warm-start", type=int, default=0, help="first train N x B for this many steps, alone")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"], help="configs not to run")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e", "f"], help="configs not to run"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights, (a)'s data order, with --data-order rank")
     parser.add_argument(
         "--data-order",
@@ -238,6 +243,14 @@ def main() -> None:
             runs["a_one_worker"] = {"eval_loss": round(one["eval_loss"], 5), "wall_s": round(one["wall_s"], 2)}
         if "b" not in args.skip:
             runs["b_synchronous"] = run_synchronous(procs, tmp, spec)
+        if "f" not in args.skip:
+            folder = tmp / "one_worker_global_batch"
+            batch = {**spec, "global_batch": args.peers * args.batch, "threads": cores, "curve": False}
+            proc = convergence.run_worker(procs, "baseline", batch, folder, 0)
+            one = convergence.wait_result(proc, folder, time.monotonic() + args.timeout)
+            runs["f_one_worker_global_batch"] = {
+                "eval_loss": round(one["eval_loss"], 5), "wall_s": round(one["wall_s"], 2), "samples": one["samples"]
+            }  # fmt: skip
         first = args.inner_steps[0]
         for h in args.inner_steps if "c" not in args.skip else []:
             runs[f"c_diloco_H{h}"] = run_diloco(procs, tmp, f"H{h}", spec, h, args.compression, kill=False)
@@ -249,10 +262,11 @@ def main() -> None:
                                                                kill=True)  # fmt: skip
     sync = runs.get("b_synchronous")
     for name, run in runs.items():
-        if sync is not None and name.startswith(("c_", "d_", "e_")):
+        if sync is not None and name.startswith(("c_", "d_", "e_", "f_")):
             run["eval_loss_vs_synchronous_percent"] = round(100 * (run["eval_loss"] / sync["eval_loss"] - 1), 2)
-            ratio = sync["bytes_sent_per_peer"] / max(run["bytes_sent_per_peer"], 1)
-            run["bytes_sent_reduction_vs_synchronous"] = round(ratio, 1)
+            if "bytes_sent_per_peer" in run:
+                ratio = sync["bytes_sent_per_peer"] / max(run["bytes_sent_per_peer"], 1)
+                run["bytes_sent_reduction_vs_synchronous"] = round(ratio, 1)
     report.update({
         "model": "demo tiny GPT-2, blocks of 64 tokens", "peers": args.peers, "batch_per_peer": args.batch,
         "inner_steps_total": args.steps, "inner_optimizer": "adamw_torch", "lr": args.lr,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import multiprocessing as mp
 import threading
 import time
 from contextlib import ExitStack
@@ -24,7 +25,7 @@ from hivemind.averaging.partition import AllreduceException
 
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines, RoundReport
-from trahiv.engine.averagers import PartialRoundRunner, ReportingAverager
+from trahiv.engine.averagers import PartialRoundRunner, ReportingAverager, ReportingMixin
 
 engine.apply()
 
@@ -175,6 +176,45 @@ def test_report_describes_peers_and_fractions():
     assert "peer b did not return 25.0%" in report.describe() and "missing from 50.0%" in report.describe()
     assert RoundReport(("a", "b"), 1000, 1.0, 10).complete
     assert RoundReport(("a", "b"), 1000, 1.0, 10, error="x").status == "failed"
+
+
+def _report_many(reporter: ReportingMixin, count: int, sent: mp.Event, drained: mp.Event) -> None:
+    """An averager process's side: `count` reports, while the process that reads them does not read."""
+    peers = tuple(f"12D3KooW{i:044d}" for i in range(8))  # (a report of 8 peers: ~1 KB pickled)
+    for i in range(count):
+        reporter._send_report(RoundReport(peers, 1000, 0.5, 10, local_fallback={peers[i % 8]: i}))
+    sent.set()
+    drained.wait(60)  # (its thread forwards the reports while it lives)
+
+
+def test_reports_never_block_the_averager_process_when_nobody_reads():
+    """A report goes through a pipe: written from the averager's event loop, the 65th KB blocked it mid-round until the
+    trainer read, and a 4-peer swarm whose trainers read the parameter rounds' reports only when logging hung at step
+    880 (each averager stuck in a round, each trainer waiting for it). Now the averager process sends 500 reports (over
+    64 KB) without a reader, and every one arrives, in order, once read."""
+
+    class Reporter(ReportingMixin):
+        pass
+
+    reporter, context = Reporter(), mp.get_context("fork")
+    reporter._init_reporting(None)
+    sent, drained = context.Event(), context.Event()
+    child = context.Process(target=_report_many, args=(reporter, 500, sent, drained), daemon=True)
+    child.start()
+    try:
+        assert sent.wait(20), "the averager process blocked on its reports while nobody read them"
+        reports: list[RoundReport] = []
+        deadline = time.monotonic() + 20
+        while len(reports) < 500 and time.monotonic() < deadline:
+            reports += reporter.round_reports()
+            time.sleep(0.01)
+        assert [sum(r.local_fallback.values()) for r in reports] == list(range(500))
+        assert reporter.round_counts == {"complete": 0, "partial": 500, "failed": 0}
+    finally:
+        drained.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
 
 
 def test_complete_round_is_reported_complete():

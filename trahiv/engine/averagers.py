@@ -610,6 +610,12 @@ class ReportingMixin:
 
     Reports travel from the averager process to this one through a queue; `round_reports()` collects them and
     `round_counts` counts complete / partial / failed rounds. Call `_init_reporting()` before the averager starts.
+    The averager process hands each report to a thread of its own that writes it to the queue (`_send_report`): a
+    queue is a pipe, and a write to a full pipe blocks until this process reads. Written from the event loop, as
+    before, a swarm hung: with nobody reading the state averager's reports between logs (`logging_steps` 10**6),
+    the pipe filled after ~170 parameter rounds, the averager process stopped in the middle of a round (its loop, and
+    the averaged tensors' lock, held), and its own trainer waited for that round or that lock while its groupmates
+    waited for its part (4 peers, 880 steps of `benchmarks/diloco.py --steps 1200`'s synchronous run, 2026-11-26).
     """
 
     runner_cls: type[PartialRoundRunner] = PartialRoundRunner  # tests inject faults through a subclass
@@ -619,11 +625,13 @@ class ReportingMixin:
     round_counts: dict[str, int]
     traffic: Traffic
     _report_queue: Any
+    _report_outbox: queue.SimpleQueue | None
 
     def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
         self.aggregation, self.deadlines = aggregation, deadlines
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
         self._report_queue = mp.get_context("fork").SimpleQueue()
+        self._report_outbox = None  # (made by the averager process at its first report: see _send_report)
         self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
 
     # --- leaving: the parts this peer reduces reach their senders first ------------------------------------------
@@ -722,7 +730,7 @@ class ReportingMixin:
                 why = f"no averaging group formed ({error!r})"
                 report = RoundReport(peers=(), total_values=0, seconds=seconds, payload_bytes=0, error=why)
                 logger.info(report.describe())
-                self._report_queue.put(asdict(report))
+                self._send_report(report)
 
     def _report_round(self, group_id: bytes, seconds: float, payload: int, error: BaseException | None) -> None:
         averager: Any = self
@@ -739,7 +747,22 @@ class ReportingMixin:
         if report.complete and self.deadlines is not None:
             self.deadlines.observe(payload, len(report.peers), seconds)
         (logger.debug if report.complete else logger.warning)(report.describe())
-        self._report_queue.put(asdict(report))
+        self._send_report(report)
+
+    def _send_report(self, report: RoundReport) -> None:
+        """Queue a report for the process that created the averager without ever blocking the caller (the averager's
+        event loop): a thread of this process writes it to the pipe, however long the reader takes."""
+        outbox = self._report_outbox
+        if outbox is None:  # the first report of this (the averager's) process
+            outbox = self._report_outbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._forward_reports, args=(outbox,), name="trahiv-round-reports", daemon=True
+            ).start()
+        outbox.put(asdict(report))
+
+    def _forward_reports(self, outbox: queue.SimpleQueue) -> None:
+        while True:
+            self._report_queue.put(outbox.get())
 
 
 class RobustAverager(DecentralizedAverager):

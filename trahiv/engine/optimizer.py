@@ -559,6 +559,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer
         self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
         read_s = time.monotonic() - began
+        if isinstance(self.state_averager, ReportingMixin):  # (counted in averaging_rounds; see ReportingMixin)
+            self.state_averager.round_reports()  # the parameter rounds' reports, read at every step as the gradients'
         if self._missed_the_round():
             logger.info(
                 f"The swarm finished step {self.local_epoch} without this peer: downloading its state instead of "
