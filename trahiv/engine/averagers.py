@@ -22,8 +22,10 @@ import contextvars
 import logging
 import math
 import multiprocessing as mp
+import pickle
 import queue
 import random
+import select
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -610,12 +612,14 @@ class ReportingMixin:
 
     Reports travel from the averager process to this one through a queue; `round_reports()` collects them and
     `round_counts` counts complete / partial / failed rounds. Call `_init_reporting()` before the averager starts.
-    The averager process hands each report to a thread of its own that writes it to the queue (`_send_report`): a
-    queue is a pipe, and a write to a full pipe blocks until this process reads. Written from the event loop, as
-    before, a swarm hung: with nobody reading the state averager's reports between logs (`logging_steps` 10**6),
-    the pipe filled after ~170 parameter rounds, the averager process stopped in the middle of a round (its loop, and
-    the averaged tensors' lock, held), and its own trainer waited for that round or that lock while its groupmates
-    waited for its part (4 peers, 880 steps of `benchmarks/diloco.py --steps 1200`'s synchronous run, 2026-11-26).
+    The averager process writes a report into a pipe before its round's step completes, so the trainer finds it as
+    soon as the step returns (`SwarmOptimizer` checks the gradient round's report right then) - while the pipe has
+    room. A write to a full pipe blocks until this process reads: from the event loop, as before, a swarm hung, its
+    trainers reading the state averager's reports only when logging (`logging_steps` 10**6): the pipe filled after
+    ~170 parameter rounds, each averager process stopped in the middle of a round (its loop, and the averaged
+    tensors' lock, held), and each trainer waited for that round or that lock (4 peers, step 880 of
+    `benchmarks/diloco.py --steps 1200`'s synchronous run, 2026-11-26). Now a report that would block goes to a
+    thread of the averager process that writes it (and every later one, in order) however long the reader takes.
     """
 
     runner_cls: type[PartialRoundRunner] = PartialRoundRunner  # tests inject faults through a subclass
@@ -624,14 +628,15 @@ class ReportingMixin:
     reports: list[RoundReport]
     round_counts: dict[str, int]
     traffic: Traffic
-    _report_queue: Any
-    _report_outbox: queue.SimpleQueue | None
+    _report_reader: Any  # (multiprocessing Connections, one pipe: the averager process writes)
+    _report_writer: Any
+    _report_backlog: queue.SimpleQueue | None
 
     def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
         self.aggregation, self.deadlines = aggregation, deadlines
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
-        self._report_queue = mp.get_context("fork").SimpleQueue()
-        self._report_outbox = None  # (made by the averager process at its first report: see _send_report)
+        self._report_reader, self._report_writer = mp.get_context("fork").Pipe(duplex=False)
+        self._report_backlog = None  # (made by the averager process if the pipe is ever full: see _send_report)
         self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
 
     # --- leaving: the parts this peer reduces reach their senders first ------------------------------------------
@@ -666,10 +671,10 @@ class ReportingMixin:
     def round_reports(self) -> list[RoundReport]:
         """Reports of rounds finished since the last call (in the process that created the averager)."""
         new = []
-        while not self._report_queue.empty():
+        while self._report_reader.poll():
             try:
-                new.append(RoundReport(**self._report_queue.get()))
-            except (queue.Empty, EOFError, OSError):
+                new.append(RoundReport(**pickle.loads(self._report_reader.recv_bytes())))
+            except (EOFError, OSError):
                 break
         for report in new:
             self.round_counts[report.status] += 1
@@ -750,19 +755,29 @@ class ReportingMixin:
         self._send_report(report)
 
     def _send_report(self, report: RoundReport) -> None:
-        """Queue a report for the process that created the averager without ever blocking the caller (the averager's
-        event loop): a thread of this process writes it to the pipe, however long the reader takes."""
-        outbox = self._report_outbox
-        if outbox is None:  # the first report of this (the averager's) process
-            outbox = self._report_outbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._forward_reports, args=(outbox,), name="trahiv-round-reports", daemon=True
-            ).start()
-        outbox.put(asdict(report))
+        """Send a report to the process that created the averager, never blocking the caller (the averager's event
+        loop): written at once while the pipe has room for it (one write of at most PIPE_BUF bytes into a pipe with
+        room does not block), else - and from then on, to keep the order - handed to a thread that writes it."""
+        data = pickle.dumps(asdict(report))
+        if self._report_backlog is None:
+            if len(data) + 4 <= select.PIPE_BUF and _writable(self._report_writer):  # (4: the message's header)
+                self._report_writer.send_bytes(data)
+                return
+            self._report_backlog = queue.SimpleQueue()
+            threading.Thread(target=self._write_backlog, name="trahiv-round-reports", daemon=True).start()
+        self._report_backlog.put(data)
 
-    def _forward_reports(self, outbox: queue.SimpleQueue) -> None:
+    def _write_backlog(self) -> None:
+        assert self._report_backlog is not None
         while True:
-            self._report_queue.put(outbox.get())
+            self._report_writer.send_bytes(self._report_backlog.get())
+
+
+def _writable(connection: Any) -> bool:
+    """Whether a pipe has room for a write (a free buffer: at least PIPE_BUF bytes), without waiting."""
+    poller = select.poll()
+    poller.register(connection.fileno(), select.POLLOUT)
+    return bool(poller.poll(0))
 
 
 class RobustAverager(DecentralizedAverager):
