@@ -151,6 +151,29 @@ def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
     return ByzantineDiLoCoAverager
 
 
+def inject_sync_events(spec: dict) -> None:
+    """The sync faults and events of the spec (see DiLoCoPeerSpec), each at its outer step."""
+    wait_for_peers, average = DiLoCoOptimizer._wait_for_peers, DiLoCoOptimizer._average
+
+    def _wait_for_peers(self) -> bool:
+        if self.outer_step == spec.get("signal_sync_at"):
+            Path(spec["signal_file"]).write_text(json.dumps({"outer_step": self.outer_step}))
+        return wait_for_peers(self)
+
+    def _average(self, weight: int) -> str:
+        if self.outer_step == spec.get("fail_sync_at"):
+            self.syncs["failed"] += 1
+            return "failed"
+        if self.outer_step == spec.get("hold_sync_at"):
+            deadline = time.monotonic() + 120
+            while not Path(spec["hold_until"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return average(self, weight)
+
+    DiLoCoOptimizer._wait_for_peers = _wait_for_peers  # type: ignore[method-assign]
+    DiLoCoOptimizer._average = _average  # type: ignore[method-assign]
+
+
 def main(spec_path: str) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck peer)
     spec = DiLoCoPeerSpec.model_validate_json(Path(spec_path).read_text()).model_dump(exclude_unset=True)
@@ -190,6 +213,7 @@ def main(spec_path: str) -> int:
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
     if not spec.get("download_at_start", True):  # as when the download from the peer to start from fails
         DiLoCoOptimizer.join = lambda self: False  # type: ignore[method-assign]
+    inject_sync_events(spec)
     if spec.get("revert_delay"):
         delay_revert_orders(spec["revert_delay"])
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")

@@ -86,6 +86,13 @@ class DiLoCoPeerSpec(_Common):
     revert_delay: float = Field(0.0, ge=0)  # apply a revert order only that many seconds after first seeing it
     hold_at_step: int | None = Field(None, ge=1, description="after this inner step, wait for `hold_until` to exist")
     hold_until: str | None = None  # a file another process writes (a joiner's ready.json); waited for 120 s at most
+    # a sync's faults and events, each at one outer step: the peer's sync fails at once (its group search ended as
+    # the others' group with it assembled); it writes `signal_file` on reaching its sync point; it waits for
+    # `hold_until` to exist (120 s at most) before averaging (its all-reduce takes that long)
+    fail_sync_at: int | None = Field(None, ge=0)
+    signal_sync_at: int | None = Field(None, ge=0)
+    signal_file: str | None = None
+    hold_sync_at: int | None = Field(None, ge=0)
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

@@ -423,6 +423,41 @@ def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
     assert after[0] - killed_at < 30, after[0] - killed_at
 
 
+def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, workdir):
+    """Three peers; a's sync of outer step 2 fails (its search ended as the others' group assembled: they average
+    without it), and a takes that outer step with its own pseudo-gradient. b and c are still averaging outer step 2
+    when a reaches its sync point of outer step 3 (they hold until a's event says it is there). a waits for them,
+    sees them at outer step 3 with other outer parameters than its own, and downloads theirs: nobody syncs alone, b
+    and c miss nothing, and all three are identical from then on. (Not waiting for them, a synced alone every H steps
+    while they were in their round, and they, finding it ahead, dropped their work to download its outer state.)"""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_failed_sync", "initial_peers": boot.initial_peers,
+              "batch_size": 2, "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1,
+              "opt": {"min_peers": 3}}  # fmt: skip
+    at_sync_3 = str(tmp_path / "a_at_sync_point_of_outer_step_3.json")
+    a = start_diloco_peer(tmp_path, "a", fail_sync_at=2, signal_sync_at=3, signal_file=at_sync_3, **common)
+    b, c = (start_diloco_peer(tmp_path, name, hold_sync_at=2, hold_until=at_sync_3, **common) for name in ("b", "c"))
+    peers = [a, b, c]
+    try:
+        dones = [peer.finish(timeout=150) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
+    assert Path(at_sync_3).exists()  # the event happened: b and c averaged outer step 2 only after it
+    for done in dones:
+        assert done["global_step"] == 24 and done["outer_step"] == 6, done
+        assert done["syncs"]["alone"] == 0 == done["syncs"]["missed"], done
+    done_a, *others = dones
+    assert done_a["syncs"]["failed"] == 1 and done_a["syncs"]["diverged"] == 1, done_a
+    for done in others:
+        assert done["syncs"] == {"averaged": 6, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, done
+    records = [syncs(peer) for peer in peers]
+    assert records[0][3]["outer_sha256"] != records[1][3]["outer_sha256"]  # a's own outer step 2, not theirs
+    for step in (1, 2, 4, 5, 6):
+        assert records[0][step]["sha256"] == records[1][step]["sha256"] == records[2][step]["sha256"], step
+
+
 def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
     """Four peers, one sends its pseudo-gradients x1000 at every sync. With CenteredClip the three honest peers stay
     identical and finite, keep training (their inner-step loss falls), and the attack's damage stays bounded: their

@@ -1,4 +1,5 @@
-"""Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6).
+"""Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6);
+a follower whose step's deadline passes while its leader assembles the group still gets the group (10).
 
 Three averagers in their own processes on loopback: a leader and two followers in client mode. The leader holds its
 first answer to one follower 1.5 s, longer than the followers' request_timeout (1 s); the other follower joins at once.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 from contextlib import ExitStack
 from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
 
@@ -106,3 +108,87 @@ def test_without_the_fix_the_late_follower_is_left_out():
     assert requests >= 1, requests
     assert isinstance(results[0], dict) and len(results[0]) == 2, results  # the leader and the prompt follower
     assert not isinstance(results[2], dict), results
+
+
+# --- 10. a group that assembles as a member's search ends -----------------------------------------------------------
+
+FOLLOWER_TIMEOUT_S = 4.0  # the follower's step: it finds no group within this, unless the fix waits for it
+ASSEMBLY_LATE_S = 0.5  # the leader assembles this long after the follower's deadline (a busy event loop)
+GRACE_REQUEST_TIMEOUT_S = 2.0  # the averagers' request_timeout: the fix's grace
+
+
+def slow_assembling_leader(hold_until: Any) -> type[ReportingAverager]:
+    class SlowAssemblingLeader(ReportingAverager):
+        async def rpc_join_group(
+            self, request: averaging_pb2.JoinRequest, context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+            matchmaking = self._matchmaking
+            if not getattr(matchmaking, "_held", False):  # (in the averager's process, once)
+                assemble = matchmaking.leader_assemble_group
+
+                async def leader_assemble_group() -> Any:
+                    await asyncio.sleep(max(0.0, hold_until.value - time.time()))
+                    return await assemble()
+
+                matchmaking.leader_assemble_group, matchmaking._held = leader_assemble_group, True
+            async for message in super().rpc_join_group(request, context):
+                yield message
+
+    return SlowAssemblingLeader
+
+
+def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """A leader (declares 3 s) and a client-mode follower (its step: 4 s); the leader assembles only 0.5 s after the
+    follower's deadline. Returns the step results and each averager's tensors afterwards."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    hold_until = mp.Value("d", 0.0)
+    common = dict(prefix="late_assembly", min_group_size=2, request_timeout=GRACE_REQUEST_TIMEOUT_S, start=True)
+    averagers = [
+        slow_assembling_leader(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
+        ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
+    ]
+    for averager in averagers:
+        stack.callback(averager.shutdown)
+    results: list[Any] = [None] * 2
+
+    def step(rank: int, timeout: float) -> None:
+        try:
+            results[rank] = averagers[rank].step(timeout=timeout, allow_retries=False)
+        except Exception as e:
+            results[rank] = e
+
+    hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
+    threads = [threading.Thread(target=step, args=args, daemon=True) for args in ((0, 12.0), (1, FOLLOWER_TIMEOUT_S))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    tensors = []
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            tensors.append(tensor.clone())
+    return results, tensors
+
+
+def test_a_follower_whose_deadline_passes_during_assembly_gets_the_group():
+    with ExitStack() as stack:
+        results, tensors = run_late_assembly(stack)
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+
+
+def test_without_the_fix_the_follower_gives_up_as_its_group_assembles():
+    """The control: hivemind's look_for_group, the same timing. The leader counts the follower in (it was accepted),
+    the follower reports no group: the leader's round cannot average with it."""
+    patched = Matchmaking.look_for_group
+    Matchmaking.look_for_group = patched.__wrapped__  # the averager processes fork with hivemind's
+    try:
+        with ExitStack() as stack:
+            results, tensors = run_late_assembly(stack)
+    finally:
+        Matchmaking.look_for_group = patched
+    assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
+    assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values

@@ -26,6 +26,8 @@ from hivemind.averaging.partition import AllreduceException
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines, RoundReport
 from trahiv.engine.averagers import PartialRoundRunner, ReportingAverager, ReportingMixin
+from trahiv.engine.diloco import DiLoCoRoundRunner
+from trahiv.engine.exact import ExactAverager
 
 engine.apply()
 
@@ -73,8 +75,10 @@ SERVE_DELAY_S = 1.0
 RUNNERS = {Fault.BREAK_STREAM: FaultyRunner, Fault.SERVE_LATE_AND_LEAVE: LateServingRunner}
 
 
-def faulty_averager(fault: Fault, runner: type[PartialRoundRunner] | None = None) -> type[ReportingAverager]:
-    class FaultyAverager(ReportingAverager):
+def faulty_averager(
+    fault: Fault, runner: type[PartialRoundRunner] | None = None, base: type[ReportingAverager] = ReportingAverager
+) -> type[ReportingAverager]:
+    class FaultyAverager(base):  # type: ignore[valid-type,misc]
         runner_cls = runner or RUNNERS.get(fault, PartialRoundRunner)
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
@@ -96,14 +100,15 @@ def run_round(
     allreduce_timeout: float = 60.0,
     auxiliary: int | None = None,
     runner: type[PartialRoundRunner] | None = None,
+    base: type[ReportingAverager] = ReportingAverager,
 ):
     """One averaging round of len(faults) peers (peer `auxiliary` in hivemind's auxiliary mode, all with `runner` if
-    given); returns (seconds, results, reports, averagers) per peer."""
+    given, averagers of class `base`); returns (seconds, results, reports, averagers) per peer."""
     first = stack.enter_context(_dht())
     peers = [first] + [stack.enter_context(_dht(first.get_visible_maddrs())) for _ in faults[1:]]
     averagers = []
     for rank, (dht, fault) in enumerate(zip(peers, faults, strict=True)):
-        averager = faulty_averager(fault, runner)(
+        averager = faulty_averager(fault, runner, base)(
             local_values(rank), dht=dht, prefix="partial", target_group_size=len(faults), min_group_size=len(faults),
             min_matchmaking_time=2.0, request_timeout=1.0, part_size_bytes=PART_BYTES,
             allreduce_timeout=allreduce_timeout, deadlines=Deadlines(**vars(FAST)), auxiliary=rank == auxiliary,
@@ -335,6 +340,33 @@ def test_peer_stalled_in_the_group_costs_seconds_not_the_allreduce_timeout():
             assert stalled in report.local_fallback and stalled in report.missing_senders, report
             assert 0.2 < report.local_fallback[stalled] / report.total_values < 0.5
             assert averagers[rank].round_counts["partial"] == 1
+
+
+class ExactReportingAverager(ReportingAverager, ExactAverager):
+    """Every peer ends with the same bits (trahiv.engine.exact), as DiLoCo's averager and the gradient rounds do."""
+
+
+def test_a_diloco_round_zeroes_the_share_nobody_returned_on_every_peer_that_missed_it():
+    """DiLoCo's all-reduce (`DiLoCoRoundRunner`): a peer counted in the group that never starts (its search for a
+    group ended as the group assembled) leaves its share unaveraged for both others. They set it to zero, the same
+    on both, so both take the same outer step: their tensors stay identical, bit for bit (with their own values
+    there, the two would differ in that share, and DiLoCo's digests would send one to download the other's)."""
+    with ExitStack() as stack:
+        _, _, reports, averagers = run_round(
+            stack, [Fault.STALL, Fault.NONE, Fault.NONE], runner=DiLoCoRoundRunner, base=ExactReportingAverager
+        )
+        stalled = averagers[0].peer_id.to_base58()
+        first, second = tensors_of(averagers[1]), tensors_of(averagers[2])
+        assert torch.equal(first, second)
+        for rank, tensors in ((1, first), (2, second)):
+            report = reports[rank][-1]
+            assert report.status == "partial" and stalled in report.local_fallback, report
+            assert int((tensors == 0).sum()) == report.local_fallback[stalled] > 0.2 * report.total_values
+            assert "(set to zero)" in report.describe(), report.describe()
+        # the rest is the two peers' average
+        expected = (torch.cat(local_values(1)) + torch.cat(local_values(2))) / 2
+        averaged = first != 0
+        assert torch.allclose(first[averaged], expected[averaged], atol=1e-5)
 
 
 def test_a_peer_that_leaves_right_after_its_round_still_serves_the_parts_it_reduced():

@@ -11,9 +11,11 @@ How trahiv does it (`hivemind_config["diloco"]`, see trahiv.config.DiLoCoConfig)
   trainable (adapter) tensors are there, so only they travel;
 - the all-reduce is trahiv's (`DiLoCoAverager`): NaN exclusion, weights capped at the samples each peer reported,
   CenteredClip if configured, payload-based deadlines and a report for every round (partial rounds are logged and
-  counted, never silent), the auth gate in moderated swarms, and every byte counted (`averaging_bytes_*`);
+  counted, never silent; a part left unaveraged is a zero pseudo-gradient, the same on every peer that missed it),
+  the auth gate in moderated swarms, and every byte counted (`averaging_bytes_*`);
 - each peer publishes its progress (outer step, inner steps done, steps/s) to the DHT every PUBLISH_PERIOD seconds. A
-  peer that reaches H waits for the others at its outer step until the time their progress says they need
+  peer that reaches H waits for the others at its outer step (and for those still in the sync of the one before,
+  see `_coming`) until the time their progress says they need
   (x ETA_SLACK, + a floor, bounded by `max_sync_wait`), then averages with those present: a slow or dead peer costs
   the others at most that wait; a peer killed during the all-reduce costs them the round's chunk deadline (seconds);
 - the outer step is in each peer's group key: peers at different outer steps never average together;
@@ -590,11 +592,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         the average arrives, and its outer step follows at its next inner step. (This peer may get here first: a sync
         still running at its own next sync point is finished there and the next one starts at once.) A peer at the
         one before that says `syncing` in a blocking sync missed that one and is downloading its result
-        (`_adopt_after_a_missed_sync`): it comes too. One at the one before without it is in a sync that this peer's
-        group finished without it: it will find that out and download the outer state."""
+        (`_adopt_after_a_missed_sync`): it comes too. So does one at the one before at its sync point: it is still in
+        that sync, which it either ends with an outer step (then it trains up to this sync point; if its group's outer
+        parameters are not this peer's, the one with fewer holders downloads the others' there) or leaves to find the
+        swarm ahead and download. Not waiting for it, a peer whose own search of that sync had failed (its group
+        assembled as it gave up: the others' round went on without its part) found nobody ready at each later sync
+        point, synced alone every H steps while the others were still in their round, and the others, finding it
+        ahead, dropped their work to download its outer state (seen in `benchmarks/diloco.py`: 15 lone syncs in a
+        run, peers apart at the end)."""
         if record.outer_step == self.outer_step:
             return record.inner_done < record.inner_steps
-        return record.outer_step == self.outer_step - 1 and record.syncing
+        return record.outer_step == self.outer_step - 1 and (record.syncing or record.inner_done >= record.inner_steps)
 
     def _average(self, weight: int) -> str:
         """All-reduce the pseudo-gradients with the peers at this outer step: 'averaged', 'alone' or 'failed'."""

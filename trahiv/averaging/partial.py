@@ -45,6 +45,7 @@ class RoundReport:
     missing_senders: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     reasons: dict[str, str] = field(default_factory=dict)  # peer -> why its exchange with this peer failed
+    unaveraged: str = "kept local"  # what this peer's values left unaveraged became ('set to zero': DiLoCo's)
 
     @property
     def complete(self) -> bool:
@@ -64,7 +65,7 @@ class RoundReport:
     def describe(self) -> str:
         total = max(self.total_values, 1)
         parts = [
-            f"peer {p} did not return {v / total:.1%} of the values (kept local)"
+            f"peer {p} did not return {v / total:.1%} of the values ({self.unaveraged})"
             for p, v in self.local_fallback.items()
         ]
         parts += [

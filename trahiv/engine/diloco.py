@@ -24,7 +24,18 @@ from trahiv.engine.exact import ExactAverager, ExactRoundRunner
 
 logger = logging.getLogger("trahiv.diloco")
 
-__all__ = ["DiLoCoAverager"]
+__all__ = ["DiLoCoAverager", "DiLoCoRoundRunner"]
+
+
+class DiLoCoRoundRunner(ExactRoundRunner):
+    """A sync's all-reduce: a part this peer got no average for (its reducer failed it) is a zero pseudo-gradient,
+    not this peer's own. Every peer of the group that missed the same part (a groupmate that left the round: its
+    share, for all of them) then takes the same outer step, and they stay identical; with their own values there,
+    each took its own, their outer parameters' digests all differed at the next sync point, and all but one dropped
+    their next pseudo-gradient to download that one's outer state (seen in `benchmarks/diloco.py`: a peer counted in
+    a group as it gave up its search, 28.6% of the values unaveraged, three of four peers downloading)."""
+
+    unaveraged_zero = True
 
 
 class DiLoCoAverager(ReportingMixin, ExactAverager, EpochKeyedMatchmaking, CheckedStateDownload):
@@ -35,7 +46,7 @@ class DiLoCoAverager(ReportingMixin, ExactAverager, EpochKeyedMatchmaking, Check
     joined (`expect_peers`, EpochKeyedMatchmaking: those at the outer step or one behind; the optimizer sets the
     group bits per outer step)."""
 
-    runner_cls = ExactRoundRunner
+    runner_cls = DiLoCoRoundRunner
 
     def __init__(
         self,

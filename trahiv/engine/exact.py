@@ -18,6 +18,7 @@ fallback), and the round is reported as partial, as every trahiv round is (trahi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from trahiv.averaging.partial import RoundReport
 from trahiv.compression import FloatsOnly
 from trahiv.engine.allreduce import NoUsablePartError, group_modes
 from trahiv.engine.averagers import PartialRoundRunner, RobustAverager
@@ -49,12 +51,24 @@ def compression_type(compression: CompressionBase, info: CompressionInfo) -> int
 
 
 class ExactRoundRunner(PartialRoundRunner):
-    """A round whose outputs are the aggregates themselves (as every peer decodes them), not differences."""
+    """A round whose outputs are the aggregates themselves (as every peer decodes them), not differences.
+
+    A part left unaveraged (its reducer failed this peer, or nobody could aggregate it) keeps its local values, or,
+    with `unaveraged_zero`, becomes zeros: the same on every peer that missed it (DiLoCo's pseudo-gradients, see
+    trahiv.engine.diloco)."""
+
+    unaveraged_zero = False
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self.tensor_part_container.return_deltas = False  # a failed reducer's parts: the local values
+        # hivemind's container registers a failed reducer's parts as zeros when it returns deltas, else as the local
+        # values; the exact round replaces each tensor with its results, so zeros stay zeros
+        self.tensor_part_container.return_deltas = self.unaveraged_zero
         self._results: dict[tuple[int, int], asyncio.Future] = {}
+
+    def report(self, seconds: float, payload: int, error: BaseException | None) -> RoundReport:
+        report = super().report(seconds, payload, error)
+        return dataclasses.replace(report, unaveraged="set to zero") if self.unaveraged_zero else report
 
     def _result(self, part_index: int, averaged: torch.Tensor, compression: int) -> asyncio.Future:
         """Q(aggregate) of a part, serialized once per compression for every sender that asks (and for this peer):
@@ -84,8 +98,8 @@ class ExactRoundRunner(PartialRoundRunner):
                 if kind is None:  # a codec that does not say: find out by encoding this part
                     kind = container.compression.compress(tensor_part, info).compression
                 result = deserialize_torch_tensor(await self._result(part_index, averaged, kind))
-            except NoUsablePartError:
-                result = tensor_part  # keep the local values of a part nobody could aggregate
+            except NoUsablePartError:  # a part nobody could aggregate
+                result = torch.zeros_like(tensor_part) if self.unaveraged_zero else tensor_part
             container.register_processed_part(peer_index, part_index, result)
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[Any], sender_index: int) -> AsyncIterator[Any]:

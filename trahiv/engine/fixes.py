@@ -38,6 +38,12 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
 9. Locks left held: an engine process killed while it held one of hivemind's process-wide locks (shared by every
    engine process forked from the same process) blocked every engine process started afterwards, for good. After a
    kill, a lock still taken after `SHARED_LOCK_WAIT` is replaced (tested in tests/test_engine.py).
+10. A group that assembles as a member's search ends: hivemind's `look_for_group` gives up when the step's deadline
+   passes, also while this averager is a follower already accepted by a leader that is assembling the group right
+   then (or a leader with followers, about to assemble). The leader counts it in, sends it the group, and runs the
+   all-reduce without its part; it reports no group (seen in `benchmarks/diloco.py`, about once in 120 syncs of 4
+   peers on 2 busy cores: the others' round partial, 28.6% of the values unaveraged, the peer that gave up on its
+   own). Such an averager now waits up to `request_timeout` more for that group (tests/test_matchmaking.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -79,6 +85,7 @@ def apply() -> None:
     _keep_epoch_keys()
     _retry_late_leaders()
     _pace_matchmaking_lookups()
+    _finish_groups_in_assembly()
     _applied = True
 
 
@@ -455,3 +462,56 @@ def _pace_matchmaking_lookups() -> None:
 
     get_averagers._trahiv_paced = True  # type: ignore[attr-defined]
     _replace(GroupKeyManager, "get_averagers", get_averagers)
+
+
+# 10. A group that assembles as a member's search ends ---------------------------------------------------------------
+
+
+def _finish_groups_in_assembly() -> None:
+    import asyncio
+
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.utils.asyncio import cancel_and_wait
+
+    if getattr(Matchmaking.look_for_group, "_trahiv_finish_groups", False):
+        return
+
+    # adapted from hivemind.averaging.matchmaking.Matchmaking.look_for_group (hivemind 1.1.12): `asyncio.wait` instead
+    # of `asyncio.wait_for` (which cancels the group's future at the deadline), and the grace for a group in assembly
+    async def look_for_group(self, step):  # type: ignore[no-untyped-def]
+        if self.is_looking_for_group:
+            logger.info(
+                "Another look_for_group is already in progress. The current run will be scheduled after"
+                " the existing group is either assembled or disbanded."
+            )
+        async with self.looking_for_group(step):
+            request_leaders_task = asyncio.create_task(self._request_join_potential_leaders(step))
+            try:
+                done, _ = await asyncio.wait({self.assembled_group}, timeout=step.get_timeout())
+                if not done and (self.current_leader is not None or self.current_followers):
+                    # accepted by a leader (or leading followers): the group may be assembling right now
+                    logger.debug(f"{self} - the step's deadline passed during assembly: waiting for the group")
+                    done, _ = await asyncio.wait({self.assembled_group}, timeout=self.request_timeout)
+                return self.assembled_group.result() if done else None
+
+            except BaseException as e:
+                if len(self.current_followers) > 0:
+                    async with self.lock_request_join_group:
+                        await self.leader_disband_group()
+                if not self.assembled_group.done():
+                    self.assembled_group.set_exception(e)
+                raise
+
+            finally:
+                await cancel_and_wait(request_leaders_task)
+                self.assembled_group.cancel()
+
+                while len(self.current_followers) > 0:
+                    await self.follower_was_discarded.wait()
+                    self.follower_was_discarded.clear()
+                # note: the code above ensures that we send all followers away before creating new future
+                self.assembled_group = asyncio.Future()
+                self.was_accepted_to_group.clear()
+
+    look_for_group._trahiv_finish_groups = True  # type: ignore[attr-defined]
+    _replace(Matchmaking, "look_for_group", look_for_group)

@@ -365,6 +365,27 @@ INTERNALS: tuple[Internal, ...] = (
         "method",
         "(self, group_key: str, only_active: bool) -> List[Tuple[hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID, float]]",
     ),
+    # trahiv.engine.fixes, 10: a group that assembles as a member's search ends (a copy of look_for_group)
+    Internal(
+        "hivemind.averaging.matchmaking:Matchmaking",
+        "look_for_group",
+        "method",
+        "(self, step: 'StepControl') -> 'Optional[GroupInfo]'",
+    ),
+    Internal(
+        "hivemind.averaging.matchmaking:Matchmaking",
+        "looking_for_group",
+        "method",
+        "(self, step_control: 'StepControl')",
+    ),
+    Internal(
+        "hivemind.averaging.matchmaking:Matchmaking",
+        "_request_join_potential_leaders",
+        "method",
+        "(self, step: 'StepControl') -> 'GroupInfo'",
+    ),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "follower_was_discarded", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "was_accepted_to_group", "instance", None),
     # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
     Internal(
         "hivemind.averaging.matchmaking:Matchmaking",
