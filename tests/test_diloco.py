@@ -429,7 +429,8 @@ def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, wor
     when a reaches its sync point of outer step 3 (they hold until a's event says it is there). a waits for them,
     sees them at outer step 3 with other outer parameters than its own, and downloads theirs: nobody syncs alone, b
     and c miss nothing, and all three are identical from then on. (Not waiting for them, a synced alone every H steps
-    while they were in their round, and they, finding it ahead, dropped their work to download its outer state.)"""
+    while they were in their round, and they, finding it ahead, dropped their work to download its outer state; nor
+    may b or c, still at outer step 2, take a alone at outer step 3 for the swarm.)"""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_failed_sync", "initial_peers": boot.initial_peers,
               "batch_size": 2, "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1,

@@ -542,8 +542,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         }  # fmt: skip
         return self.peers
 
-    def _swarm_is_ahead(self) -> bool:
-        return any(record.outer_step > self.outer_step for record in self._others().values())
+    def _swarm_is_ahead(self, others: dict[str, PeerProgress] | None = None) -> bool:
+        """Whether the swarm took this outer step without this peer: some peers are past it, and no fewer than are
+        still at it (this one included). A peer past it alone while more are still at it took the step by itself (its
+        sync failed while the others were still in theirs): it is not the swarm, and they wait for its digest to
+        tell it at their next sync point (`_coming`, `swarm_state_holder`). Counting any peer past it as the swarm,
+        a peer still waiting for another at the sync point downloaded the lone peer's outer state (a CI run of
+        `test_diloco.py::test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it`), and so would the rest."""
+        others = self._others() if others is None else others
+        ahead = sum(record.outer_step > self.outer_step for record in others.values())
+        here = 1 + sum(record.outer_step == self.outer_step for record in others.values())
+        return ahead > 0 and ahead >= here
 
     def _wait_for_peers(self) -> bool:
         """Wait for the peers at this outer step until `sync_deadline`. True if this peer must adopt the swarm's outer
@@ -554,7 +563,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         first_seen: dict[tuple[str, int, int], float] = {}
         while True:
             others = self._others()
-            if any(record.outer_step > self.outer_step for record in others.values()):
+            if self._swarm_is_ahead(others):
                 return True
             self._adopt_from = self._swarm_state_if_not_ours(others.values())
             if self._adopt_from is not None:
