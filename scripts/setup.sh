@@ -24,5 +24,13 @@ fi
 "${PYTHON:-python3}" -m venv .venv
 # torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,trl]"
+# the rest through uv, pinned (it downloads and unpacks in parallel: the whole set-up took 53 s against pip's 175 s,
+# the same packages and versions); with pip where uv cannot be installed or fails
+if .venv/bin/pip install --quiet --disable-pip-version-check uv==0.13.9 \
+  && .venv/bin/uv pip install --quiet --python .venv/bin/python -c constraints.txt -e ".[dev,trl]"; then
+  :
+else
+  echo "setup: uv failed (above); installing with pip" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,trl]"
+fi
 echo "$want" > "$stamp"

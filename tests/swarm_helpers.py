@@ -37,7 +37,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
 
 @dataclass
 class Bootstrap:
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     initial_peers: list[str]
 
     def stop(self) -> None:
@@ -45,10 +45,16 @@ class Bootstrap:
 
 
 def start_bootstrap(tmp: Path) -> Bootstrap:
+    """`trahiv dht` (forked from the fork server, as the peers are: tests/zygote.py), once it wrote its addresses."""
     addresses = tmp / "bootstrap.json"
     addresses.unlink(missing_ok=True)  # a run again in the same directory: not the last bootstrap's address
-    command = [sys.executable, "-m", "trahiv.cli.main", "dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
+    argv = ["dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
+    process: subprocess.Popen | Forked
+    if os.environ.get("TRAHIV_TEST_NO_FORK"):
+        command = [sys.executable, "-m", "trahiv.cli.main", *argv]
+        process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
+    else:
+        process = spawn(TESTS / "cli_worker.py", argv, log=tmp / "bootstrap.log", cwd=tmp, env=PEER_ENV)
     peers = wait_for(
         lambda: addresses.exists() and addresses.stat().st_size and json.loads(addresses.read_text()),
         60,

@@ -40,8 +40,9 @@ CompressionName = Literal[
 
 
 def _check_maddr(value: str, *, need_peer_id: bool) -> str:
-    from hivemind.utils.multiaddr import Multiaddr  # light: pure-python module, no daemon
+    from trahiv.engine.multiaddr import multiaddr_class  # hivemind's parser, without hivemind's (and torch's) import
 
+    Multiaddr = multiaddr_class()
     try:
         maddr = Multiaddr(value)
     except Exception as e:  # the engine raises several parse error classes

@@ -60,11 +60,12 @@ def load_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    config = load_config(args)  # first: a bad config is told before the engine's imports (seconds)
+
     from trahiv.auxiliary.peer import AuxPeer
     from trahiv.cli.dht import _ensure_identity
     from trahiv.engine import interrupt_on_signals
 
-    config = load_config(args)
     if config.dht.identity_path:
         _ensure_identity(config.dht.identity_path)
     peer = AuxPeer(

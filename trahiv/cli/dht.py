@@ -31,16 +31,20 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the user's input first (a bad value: one message naming the flag or file, exit code 2), then the engine's
+    # imports, which take seconds
+    config: DHTConfig = args.flags_dht.build(args)
+    token = _auth_token(args)
+    if config.identity_path:
+        _ensure_identity(config.identity_path)
+
     from trahiv import connectivity
     from trahiv.engine import interrupt_on_signals
     from trahiv.lifecycle import Lifecycle, join_swarm
     from trahiv.swarm import join_addresses
 
-    config: DHTConfig = args.flags_dht.build(args)  # a bad value: one message naming the flag, exit code 2
-    if config.identity_path:
-        _ensure_identity(config.identity_path)
     lifecycle = Lifecycle()  # auth -> DHT -> token; no revert watcher (a bootstrap peer holds no model)
-    dht = join_swarm(lifecycle, config, auth=lambda: _start_auth(args, config), watch_reverts=False).dht
+    dht = join_swarm(lifecycle, config, auth=lambda: _start_auth(args, config, token), watch_reverts=False).dht
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
@@ -63,23 +67,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_auth(args: argparse.Namespace, config: DHTConfig) -> Any:
-    """With --auth-server: this peer's access token, so that the swarm's authenticated peers accept it."""
-    server, token_file = args.flags_auth.value(args, "server"), args.flags_auth.value(args, "token_file")
-    run_id = args.flags_run_id.value(args, "run_id")
-    if server is None:
-        return None
+def _auth_token(args: argparse.Namespace) -> str | None:
+    """With --auth-server: the user token a moderator issued (from --auth-token-file or the environment)."""
     import os
     from pathlib import Path
 
-    from trahiv.auth import PeerAuth
-
+    server, token_file = args.flags_auth.value(args, "server"), args.flags_auth.value(args, "token_file")
+    if server is None:
+        return None
     env_token = os.environ.get(TOKEN_ENV, "").strip()
-    if not run_id or not (token_file or env_token):
+    if not args.flags_run_id.value(args, "run_id") or not (token_file or env_token):
         raise ValueError(
             f"--auth-server needs --run-id and --auth-token-file (or ${TOKEN_ENV}): the user token a moderator issued"
         )
-    token = Path(token_file).read_text().strip() if token_file else env_token
+    return Path(token_file).read_text().strip() if token_file else env_token
+
+
+def _start_auth(args: argparse.Namespace, config: DHTConfig, token: str | None) -> Any:
+    """With --auth-server: this peer's access token, so that the swarm's authenticated peers accept it."""
+    if token is None:
+        return None
+    from trahiv.auth import PeerAuth
+
+    server, run_id = args.flags_auth.value(args, "server"), args.flags_run_id.value(args, "run_id")
     # refused or unreachable: an AuthError with the reason, shown by trahiv/cli/main.py as one message
     return PeerAuth.start(server, token, run_id, identity_path=config.identity_path)
 
@@ -90,6 +100,9 @@ def _ensure_identity(path: str) -> None:
 
     if os.path.exists(path):
         return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # told before hivemind's import (seconds) would fail to write there
+        raise FileNotFoundError(2, f"No such directory for the identity file {path!r}", folder)
     from hivemind.p2p import P2P
 
     P2P.generate_identity(path)

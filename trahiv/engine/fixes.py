@@ -55,10 +55,12 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch  # imported where used: this package's import stays cheap (the CLI checks its input first)
 
 logger = logging.getLogger("trahiv.averaging")
 
@@ -322,6 +324,8 @@ def _expect(numel: int, size: tuple[int, ...], what: str) -> None:
 
 
 def _extract_quantized(self, serialized_tensor) -> torch.Tensor:
+    import torch
+
     buffer, size = serialized_tensor.buffer, tuple(serialized_tensor.size)
     (codebook_size,) = _header(buffer, 1)
     codebook_bytes = codebook_size * np.dtype(self.codebook_dtype).itemsize
@@ -338,6 +342,7 @@ def _extract_quantized(self, serialized_tensor) -> torch.Tensor:
 
 
 def _extract_blockwise(self, serialized_tensor) -> torch.Tensor:
+    import torch
     from bitsandbytes.functional import dequantize_blockwise
     from hivemind.compression import quantization
 
