@@ -262,7 +262,7 @@ class SwarmProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata: Any):
         self._remember_latest(metadata)
-        records = self._without_stragglers(self._trusted_records(self._well_formed_records(metadata)))
+        records = self._trusted_records(self._well_formed_records(metadata))
         sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
         progress = super()._parse_swarm_progress_data(sanitized)
         peers = {PeerID(record.peer_id).to_base58(): record for record, _ in records.values()}
@@ -291,18 +291,6 @@ class SwarmProgressTracker(ProgressTracker):
             record.samples_accumulated = min(record.samples_accumulated, self.target_batch_size)
             records[key] = (record, entry.expiration_time)
         return records
-
-    def _without_stragglers(
-        self, records: dict[Any, tuple[LocalTrainingProgress, float]]
-    ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
-        """Leave out the records of peers two or more steps behind this one: such a peer is in none of this step's
-        rounds (it downloads the swarm's state first, hivemind's `_should_load_state_from_peers`), nor are its samples
-        of this step. hivemind counted it as long as its record lived (`metadata_expiration`, 60 s), SIGKILLed peers
-        included: a peer left alone with such a record searched for a group twice a step until `averaging_timeout` (the
-        last peer of `test_faults.py`'s late-join test: 50 s of its 81, three steps). One step behind still counts: a
-        peer finishing the last step's round as this one begins the next. This peer's own record always counts."""
-        floor, own = self.local_progress.epoch - 1, self.dht.peer_id.to_bytes()
-        return {key: entry for key, entry in records.items() if entry[0].epoch >= floor or entry[0].peer_id == own}
 
     def _trusted_records(
         self, records: dict[Any, tuple[LocalTrainingProgress, float]]
