@@ -27,7 +27,7 @@ fi
 # the rest through uv, pinned (it downloads, unpacks and compiles in parallel: the whole set-up took 72 s against
 # pip's 175 s, the same packages and versions); with pip where uv cannot be installed or fails. --compile-bytecode, as
 # pip does: without .pyc files every process compiled what it imported (PYTHONDONTWRITEBYTECODE is set here), 1.7 s
-# more per `import trahiv.swarm`, and pytest took 1,328 s instead of ~1,150
+# more per `import trahiv.swarm`, and pytest took 1,328 s instead of 1,058-1,101
 if .venv/bin/pip install --quiet --disable-pip-version-check uv==0.13.9 \
   && .venv/bin/uv pip install --quiet --compile-bytecode --python .venv/bin/python -c constraints.txt -e ".[dev,trl]"; then
   :
