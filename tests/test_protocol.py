@@ -3,6 +3,8 @@ swarm's round, which peers count as ready (trusted_epoch: tests/test_robust_aggr
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trahiv.protocol import (
@@ -10,6 +12,7 @@ from trahiv.protocol import (
     expected_in_round,
     fills_shortfall,
     missed_round,
+    own_share_done,
     ready_peers,
     share_done,
     share_of_target,
@@ -61,6 +64,50 @@ def test_a_shortfall_is_filled_once_by_the_peers_furthest_below_their_share():
     assert [fills_shortfall(p.peer, peers, 24, 2) for p in peers] == [True, True, True]
     assert [fills_shortfall(p.peer, peers, 24, 4) for p in peers] == [True, True, False]
     assert not any(fills_shortfall(p.peer, peers, 18, 2) for p in peers)  # the target is reached: nobody
+
+
+def samples_of_a_step(views: list[list[Contribution]], target: int, batch: int, done_rule: Any) -> int:
+    """Peers compute a step as `_hold_at_share` does: peer i (`views[i][0]`) computes batches until `done_rule` says
+    its share, from its own view of the records (`views[i]`), is done, then holds; once the records settled (every
+    peer holding, all read the same records), the shortfall is filled by `fills_shortfall`. Returns the samples."""
+    samples = []
+    for view in views:  # view[0]: the peer itself
+        share, total = share_of_target(target, view[0], view), batch
+        while not done_rule(total, batch, share):
+            total += batch
+        samples.append(total)
+    for _ in range(len(views)):  # settled: every peer's own latest record, the same for all
+        settled = [view[0]._replace(samples=n) for view, n in zip(views, samples, strict=True)]
+        filling = [fills_shortfall(c.peer, settled, target, batch) for c in settled]
+        if not any(filling):
+            break
+        samples = [n + batch * f for n, f in zip(samples, filling, strict=True)]
+    return sum(samples)
+
+
+def test_peers_whose_views_of_the_rates_differ_still_compute_the_target():
+    """tests/test_swarm.py took 20 samples for 16 once in four clean-clone runs: each peer rounds its share from the
+    records as it read them, and a rate that changed between the two reads moved the shares across a rounding point
+    (a debug run of the same test: a's share 9.7, b's 6.6, from two views). Over a sweep of rates and of the change
+    between the views, two peers (batches of 4, target 16) and three (batches of 2, target 24) take exactly the
+    target with `own_share_done`; the strict rule (no slack) overshoots in part of the sweep."""
+
+    def steps(rule: Any) -> set[int]:
+        seen = set()
+        for rate_b in [x / 10 for x in range(40, 161)]:
+            for change in (-0.06, -0.03, 0.03, 0.06):  # b's record as a read it: its rate a few % apart
+                a, b = Contribution(b"a", 0, 10.0), Contribution(b"b", 0, rate_b)
+                b_seen_by_a = b._replace(rate=rate_b * (1 + change))
+                seen.add(samples_of_a_step([[a, b_seen_by_a], [b, a]], 16, 4, rule))
+                c = Contribution(b"c", 0, 7.0)
+                views = [[a, b_seen_by_a, c], [b, a, c], [c, a, b_seen_by_a]]
+                seen.add(samples_of_a_step(views, 24, 2, rule))
+        return seen
+
+    assert steps(lambda n, batch, share: own_share_done(n, batch, share, alone=False)) == {16, 24}
+    strict = steps(lambda n, batch, share: share_done(n, batch, share))
+    assert strict - {16, 24}, "the sweep does not reach the case the slack is for"
+    assert own_share_done(12, 4, 14.0, alone=True) is False  # alone, nobody else's view: the nearest multiple
 
 
 def test_a_peer_that_stopped_at_its_share_stays_done_while_the_rates_move():

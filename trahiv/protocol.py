@@ -16,6 +16,7 @@ __all__ = [
     "expected_in_round",
     "fills_shortfall",
     "missed_round",
+    "own_share_done",
     "peer_tiebreak",
     "ready_peers",
     "share_done",
@@ -112,6 +113,18 @@ def share_done(samples: int, batch: int, share: float, slack: float = 0.0) -> bo
     added half a batch per peer, 12-25% of a 4-peer step of 4 batches each). `slack` (a fraction of a batch) allows
     for a share that grew since the peer stopped (`stopped_at_share`)."""
     return samples > 0 and samples + batch / 2 + slack * batch > share
+
+
+def own_share_done(samples: int, batch: int, share: float, *, alone: bool) -> bool:
+    """Whether this peer stops computing for the step (then holds for the others' reports): `share_done`, with
+    SHARE_SLACK when others share the step. Each peer computes the shares from the records as it read them, and a record
+    that changed between two peers' reads (a new throughput, once a step) moves the shares by a fraction of a sample:
+    peers whose shares straddled a rounding point by it (a: 9.7, b: 6.6 of 16 in one run, batches of 4; 10.1 for a
+    would have made it 12 + 8 samples) both computed the batch in doubt, and the step took 20 samples for 16 (once in
+    four clean-clone runs of tests/test_swarm.py). A peer within the slack of its rounding point stops instead, as the
+    others judge it (`stopped_at_share`); if the total is short once the records settled, the same records rank the
+    peers that compute the missing batches (`fills_shortfall`), once."""
+    return share_done(samples, batch, share, 0.0 if alone else SHARE_SLACK)
 
 
 def stopped_at_share(contribution: Contribution, batch: int, share: float, now: float) -> bool:

@@ -49,8 +49,8 @@ from trahiv.protocol import (
     expected_in_round,
     fills_shortfall,
     missed_round,
+    own_share_done,
     peer_tiebreak,
-    share_done,
     share_of_target,
     silent_too_long,
     state_priority,
@@ -463,8 +463,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         reach it, and progress reports take 0.1-1 s to travel through the DHT; with local steps shorter than that, the
         swarm computed 3-4x the target per step (benchmarks/convergence.py: 4 peers x 2 samples, target 32: ~110
         samples a step), and the learning-rate schedule, tuned for one batch size, trained with another.
-        Shares follow the throughputs the peers report (`trahiv.protocol.share_of_target`), rounded to whole batches;
-        if the reports settle below the target, the peers furthest below their shares compute one more batch each
+        Shares follow the throughputs the peers report (`trahiv.protocol.share_of_target`), rounded to whole batches
+        (a peer within a quarter batch of its rounding point stops: `own_share_done`); if the reports settle below the
+        target, the peers furthest below their shares compute one more batch each
         (`fills_shortfall`). The wait ends as soon as the reports reach the target (or the swarm moved on); if they do
         not within twice the time the others should need (at least HOLD_MIN), this peer computes on for the rest of the
         step, as hivemind does."""
@@ -483,9 +484,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             reported_rate if reported_rate is not None else tracker.performance_ema.samples_per_second,
         )
         others = [c for c in contributions if c.peer != own_id]
-        share = share_of_target(tracker.target_batch_size, own, [own, *others])
-        if not share_done(own.samples, batch, share):
-            if self._may_promise(own, batch) and share_done(own.samples + batch, batch, share):
+        share, alone = share_of_target(tracker.target_batch_size, own, [own, *others]), not others
+        if not own_share_done(own.samples, batch, share, alone=alone):
+            if self._may_promise(own, batch) and own_share_done(own.samples + batch, batch, share, alone=alone):
                 tracker.promise(batch)  # the next batch completes this peer's share: the others learn it now
                 logger.debug(f"Step {self.local_epoch}: promised {batch} ({own.samples} samples, share {share:.1f})")
                 self._join_round_now()
