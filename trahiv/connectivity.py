@@ -48,6 +48,7 @@ __all__ = [
     "serve_dialback_in_dht",
     "settle_client_mode",
     "unreachable_peers",
+    "unreachable_peers_future",
 ]
 
 logger = logging.getLogger("trahiv.connectivity")
@@ -423,6 +424,13 @@ def unreachable_peers(dht: Any, peers: Sequence[str]) -> list[str]:
     except Exception as e:  # a diagnosis must never stop training
         logger.debug(f"Pinging peers failed: {e!r}")
         return []
+
+
+def unreachable_peers_future(dht: Any, peers: Sequence[str]) -> Any:
+    """`unreachable_peers` without waiting for the answers: a future of the list (hivemind's MPFuture)."""
+    from functools import partial
+
+    return dht.run_coroutine(partial(_ping_in_dht, list(peers)), return_future=True)
 
 
 # --- parameter helpers: auxiliary peers that lead the parameter rounds of trainers in client mode ---------------------

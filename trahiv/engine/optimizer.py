@@ -30,6 +30,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from trahiv.averaging import Aggregation, Deadlines
 from trahiv.config import OptimizerConfig
+from trahiv.connectivity import unreachable_peers_future
 from trahiv.engine import fixes
 from trahiv.engine.averagers import (
     AuxiliaryStateAverager,
@@ -82,6 +83,7 @@ RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that lef
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
 STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the swarm's pace + 1 s: not waited for
+PING_AGAIN_S = 10.0  # seconds: a peer far behind that answered a ping is asked again after this (`_gone`)
 PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins (`_may_promise`)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 
@@ -132,6 +134,7 @@ class SwarmProgressTracker(ProgressTracker):
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
+        self._pings: dict[bytes, tuple[float, float, Any]] = {}  # peer -> (record time, when pinged, future): `_gone`
         super().__init__(*args, **kwargs)
 
     def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> LocalTrainingProgress:
@@ -262,7 +265,7 @@ class SwarmProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata: Any):
         self._remember_latest(metadata)
-        records = self._trusted_records(self._well_formed_records(metadata))
+        records = self._without_the_gone(self._trusted_records(self._well_formed_records(metadata)))
         sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
         progress = super()._parse_swarm_progress_data(sanitized)
         peers = {PeerID(record.peer_id).to_base58(): record for record, _ in records.values()}
@@ -291,6 +294,42 @@ class SwarmProgressTracker(ProgressTracker):
             record.samples_accumulated = min(record.samples_accumulated, self.target_batch_size)
             records[key] = (record, entry.expiration_time)
         return records
+
+    def _without_the_gone(
+        self, records: dict[Any, tuple[LocalTrainingProgress, float]]
+    ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
+        """Leave out the records of peers two or more steps behind this one that do not answer a DHT ping. A SIGKILLed
+        peer's record outlives it (hivemind's `metadata_expiration`, 60 s), and a survivor left alone with it searched
+        for a group at every step until `averaging_timeout` (the last peer of `test_faults.py`'s late-join test: 50 s
+        of its 81). Two steps behind alone did not tell it from a live peer stuck in a failed round (a late joiner
+        beside a busy core: the others stopped counting it and finished without it), so the peer is asked; one that
+        answers, is in client mode (it serves no pings) or is at most one step behind counts, as before."""
+        floor, own = self.local_progress.epoch - 1, self.dht.peer_id.to_bytes()
+        for peer in self._pings.keys() - {record.peer_id for record, _ in records.values()}:
+            del self._pings[peer]  # its record expired
+        return {
+            key: (record, expiration)
+            for key, (record, expiration) in records.items()
+            if record.epoch >= floor or record.peer_id == own or record.client_mode or not self._gone(record)
+        }
+
+    def _gone(self, record: LocalTrainingProgress) -> bool:
+        """Whether the peer of this record did not answer a ping sent since the record was published. Pings are sent
+        in the background (the DHT process answers the future), one per record, again PING_AGAIN_S after an answer;
+        until one is answered the peer counts."""
+        now, ping = time.monotonic(), self._pings.get(record.peer_id)
+        if ping is None or ping[0] != record.time or (ping[2].done() and now - ping[1] > PING_AGAIN_S):
+            peer = PeerID(record.peer_id).to_base58()
+            self._pings[record.peer_id] = (record.time, now, unreachable_peers_future(self.dht, [peer]))
+            return bool(ping and ping[0] == record.time and ping[2].done() and self._unanswered(ping[2]))
+        return ping[2].done() and self._unanswered(ping[2])
+
+    @staticmethod
+    def _unanswered(future: Any) -> bool:
+        try:
+            return bool(future.result())
+        except Exception:  # the DHT process could not ask: no verdict
+            return False
 
     def _trusted_records(
         self, records: dict[Any, tuple[LocalTrainingProgress, float]]
