@@ -318,11 +318,11 @@ class SwarmProgressTracker(ProgressTracker):
         in the background (the DHT process answers the future), one per record, again PING_AGAIN_S after an answer;
         until one is answered the peer counts."""
         now, ping = time.monotonic(), self._pings.get(record.peer_id)
+        gone = ping is not None and ping[0] == record.time and ping[2].done() and self._unanswered(ping[2])
         if ping is None or ping[0] != record.time or (ping[2].done() and now - ping[1] > PING_AGAIN_S):
             peer = PeerID(record.peer_id).to_base58()
             self._pings[record.peer_id] = (record.time, now, unreachable_peers_future(self.dht, [peer]))
-            return bool(ping and ping[0] == record.time and ping[2].done() and self._unanswered(ping[2]))
-        return ping[2].done() and self._unanswered(ping[2])
+        return gone
 
     @staticmethod
     def _unanswered(future: Any) -> bool:
