@@ -19,6 +19,13 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
 - `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
   peer at once from a common start: what the links allow, without libp2p or Python per part.
+- `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
+  other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
+  sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
+- `p2p-butterfly`: the same pattern over libp2p streams (each peer's DHT and p2pd, as the averagers use them), raw
+  bytes: no protobuf, no compute. A round it cannot finish within --step-timeout is reported in the JSON ("errors"):
+  with parts under 512 KiB streams hung or lost their ends in most loopback runs (not explained; see README).
+`--tensors N` averages N equal tensors instead of LoRA's 65,536-value ones (parts are cut within each tensor).
 - `hivemind` / `trahiv`: bare averagers, alternating round by round in the same peers: plain DecentralizedAverager
   (as shipped apart from trahiv's numpy-2 decoders) and trahiv.engine.averagers.ReportingAverager (robust reducer,
   payload-based deadlines, round reports, `--trahiv-part-bytes`); every value checked against the exact mean.
@@ -45,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LORA_RANK, HIDDEN = 16, 4096  # LoRA of a 7B model: A (16 x 4096) and B (4096 x 16), 65,536 values each
 HUB, PREFIX, SUBNET = "h5hub", "h5p", "10.213.0"
+NOT_AVERAGERS = ("swarm", "tcp", "tcp-butterfly", "p2p-butterfly")
 
 
 # --- network namespaces -------------------------------------------------------------------------------------------
@@ -107,7 +115,10 @@ class Namespaces:
 # --- one peer -----------------------------------------------------------------------------------------------------
 
 
-def lora_shapes(params: int) -> list[tuple[int, int]]:
+def lora_shapes(params: int, tensors: int | None = None) -> list[tuple[int, int]]:
+    """LoRA's A and B of a 7B model, 65,536 values each, or `tensors` equal ones (`--tensors`)."""
+    if tensors:
+        return [(2 * LORA_RANK, params // tensors // (2 * LORA_RANK))] * tensors
     pairs = max(1, params // (2 * LORA_RANK * HIDDEN))
     return [shape for _ in range(pairs) for shape in ((LORA_RANK, HIDDEN), (HIDDEN, LORA_RANK))]
 
@@ -131,7 +142,7 @@ def worker(spec: dict) -> None:
     )
     print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 
-    shapes = lora_shapes(spec["params"])
+    shapes = lora_shapes(spec["params"], spec.get("tensors"))
     gen = torch.Generator().manual_seed(1234)
     mean = [torch.randn(shape, generator=gen) for shape in shapes]  # the exact average of all peers' tensors
     spread = [torch.randn(shape, generator=gen) for shape in shapes]
@@ -244,7 +255,7 @@ def swarm_worker(spec: dict) -> None:
     })  # fmt: skip
     swarm = Swarm(config, announce=lambda _: None)
     print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
-    shapes = lora_shapes(spec["params"])
+    shapes = lora_shapes(spec["params"], spec.get("tensors"))
     gen = torch.Generator().manual_seed(1234)
     mean = [torch.randn(shape, generator=gen) for shape in shapes]
     spread = [torch.randn(shape, generator=gen) for shape in shapes]
@@ -337,23 +348,120 @@ def tcp_worker(spec: dict) -> None:
         writer.close()
         await writer.wait_closed()
 
+    # --- `tcp-butterfly`: the butterfly's dependencies over plain TCP -------------------------------------------
+    # Each peer reduces a span of S / N; each other peer sends it that span in parts and gets the part back once every
+    # sender's copy of it arrived (as an all-reduce's reducer returns the averaged part), no compute, no libp2p.
+    span = payload // peers
+    part_sizes = [min(spec["part_bytes"], span - at) for at in range(0, span, spec["part_bytes"])]
+    part_bytes = b"\0" * max(part_sizes)
+    reducing: dict[int, dict] = {}
+
+    def reducer(index: int) -> dict:
+        if index not in reducing:
+            state = {"writers": [], "count": [0] * len(part_sizes), "ready": asyncio.Queue()}
+            state["done"] = asyncio.ensure_future(respond(state))
+            reducing[index] = state
+        return reducing[index]
+
+    async def respond(state: dict) -> None:
+        for _ in part_sizes:
+            part = await state["ready"].get()
+            for writer in state["writers"]:
+                writer.write(part_bytes[: part_sizes[part]])
+            await asyncio.gather(*(writer.drain() for writer in state["writers"]))
+
+    async def handle_butterfly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = (await reader.readexactly(1))[0]
+        state = reducer(index)
+        state["writers"].append(writer)
+        for part, size in enumerate(part_sizes):
+            await reader.readexactly(size)
+            state["count"][part] += 1
+            if state["count"][part] == peers - 1:
+                state["ready"].put_nowait(part)
+        await state["done"]
+        await reader.read()  # the sender closes first: a libp2p stream closed with data in flight may lose it
+        writer.close()
+
+    async def send_butterfly(index: int, host: str, port: int) -> None:
+        if p2p is not None:  # `p2p-butterfly`: a libp2p stream through this peer's p2pd, as the averagers' are
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_ids[port - 7000], "bench_butterfly")
+        else:
+            for _ in range(50):  # the others' servers may not be up yet
+                try:
+                    reader, writer = await asyncio.open_connection(host, port)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.1)
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(bytes([index]))
+        await asyncio.sleep(max(0.0, start_at[0] - time.time()))
+
+        async def push() -> None:
+            for size in part_sizes:
+                writer.write(part_bytes[:size])
+                await writer.drain()
+
+        async def pull() -> None:
+            await reader.readexactly(span)
+
+        await asyncio.gather(push(), pull())
+        writer.close()
+
     async def run() -> None:
-        nonlocal received
-        server = await serve()
-        if rank == 0:  # (the driver reads the first peer's addresses)
-            print(json.dumps({"maddrs": []}), flush=True)
+        nonlocal received, p2p
+        butterfly = spec.get("butterfly", False)
+        if spec.get("p2p"):
+            import hivemind
+            from hivemind.p2p import PeerID
+            from hivemind.utils import get_dht_time
+
+            dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{hosts[rank][0]}/tcp/0"],
+                               initial_peers=spec["initial_peers"], nat_port_map=False)  # fmt: skip
+            if rank == 0:
+                print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
+            p2p = await dht.replicate_p2p()
+            await p2p.add_binary_stream_handler("bench_butterfly", lambda _, r, w: handle_butterfly(r, w))
+            dht.store(f"bench_peer_{rank}", p2p.peer_id.to_base58(), get_dht_time() + 600)
+            for other in range(peers):
+                for _ in range(100):  # bounded: the others store theirs within seconds
+                    found = dht.get(f"bench_peer_{other}", latest=True)
+                    if found is not None:
+                        peer_ids[other] = PeerID.from_base58(found.value)
+                        break
+                    await asyncio.sleep(0.2)
+            server: Any = None
+        else:
+            server = await asyncio.start_server(handle_butterfly, *hosts[rank]) if butterfly else await serve()
+            if rank == 0:  # (the driver reads the first peer's addresses)
+                print(json.dumps({"maddrs": []}), flush=True)
+
+        async def one_round(index: int) -> None:
+            if butterfly:
+                await asyncio.gather(*(send_butterfly(index, *h) for i, h in enumerate(hosts) if i != rank))
+                await reducer(index)["done"]  # this peer's own span returned to every sender
+                received.set_result(None)
+            else:
+                await asyncio.gather(*(send(*h) for i, h in enumerate(hosts) if i != rank))
+            await received
+
         for index in range(spec["rounds"] + 1):
             received = asyncio.get_running_loop().create_future()
             count[0] = 0
             start_at[0] = float(sys.stdin.readline())  # a common start, from the driver
-            await asyncio.gather(*(send(*h) for i, h in enumerate(hosts) if i != rank))
-            await received
+            try:
+                await asyncio.wait_for(one_round(index), spec["step_timeout"])
+            except (TimeoutError, asyncio.IncompleteReadError, OSError) as e:  # reported, not waited for
+                print(json.dumps({"done": index, "error": f"peer {rank}: {e!r}"}), flush=True)
+                os._exit(1)
             if index > 0:
                 times.append(time.time() - start_at[0])
             print(json.dumps({"done": index}), flush=True)
-        server.close()
+        server.close() if server is not None else None
 
     received: Any = None
+    p2p: Any = None
+    peer_ids: dict[int, Any] = {}
     start_at = [0.0]
     asyncio.run(run())
     print(json.dumps({"rank": rank, "seconds": times}), flush=True)
@@ -462,11 +570,15 @@ def profile_compression(compression: Any, tensors: list, info_cls: Any, extract:
 def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
     """The engines' bare averagers (alternating), then trahiv's swarm peers (one compression after the other)."""
     rows = []
-    if [e for e in args.engines if e not in ("swarm", "tcp")]:
+    if [e for e in args.engines if e not in NOT_AVERAGERS]:
         rows += run_averagers(args, peers, mbit)
     for name in args.compressions:
         if "tcp" in args.engines:
             rows += run_tcp(args, peers, mbit, name)
+        if "tcp-butterfly" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, butterfly=True)
+        if "p2p-butterfly" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, butterfly=True, p2p=True)
         if "swarm" in args.engines:
             rows += run_swarm_peers(args, peers, mbit, name)
     return rows
@@ -488,35 +600,53 @@ def launch(args: argparse.Namespace, namespaces: Namespaces | None, peers: int, 
     return procs
 
 
-def run_tcp(args: argparse.Namespace, peers: int, mbit: float, name: str) -> list[dict]:
-    """The same bytes over plain TCP between the same namespaces: what the links allow (see tcp_worker)."""
+def run_tcp(
+    args: argparse.Namespace, peers: int, mbit: float, name: str, butterfly: bool = False, p2p: bool = False
+) -> list[dict]:
+    """The same bytes over plain TCP between the same namespaces: what the links allow (see tcp_worker); with
+    `butterfly`, in parts that a reducer returns once every sender's copy arrived; with `p2p`, over libp2p streams."""
     namespaces = Namespaces(peers) if mbit > 0 else None
-    payload = len(lora_shapes(args.params)) * LORA_RANK * HIDDEN * {"none": 4, "fp16": 2}.get(name, 1)
+    payload = sum(a * b for a, b in lora_shapes(args.params, args.tensors)) * {"none": 4, "fp16": 2}.get(name, 1)
     procs: list[subprocess.Popen] = []
     with namespaces or contextlib.nullcontext():
         if namespaces is not None:
             namespaces.shape(mbit, args.queue_ms)
         hosts = [[namespaces.ip(i) if namespaces else "127.0.0.1", 7000 + i] for i in range(peers)]
-        spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds}
+        spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds,
+                "butterfly": butterfly, "p2p": p2p, "part_bytes": args.trahiv_part_bytes,
+                "step_timeout": args.step_timeout}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, spec)
+            failed = []
             for index in range(args.rounds + 1):
                 start_at = f"{time.time() + 1.0}\n"
                 for proc in procs:
                     proc.stdin.write(start_at) if proc.stdin else None
                     proc.stdin.flush() if proc.stdin else None
-                for proc in procs:
-                    line = proc.stdout.readline() if proc.stdout else ""
-                    assert json.loads(line) == {"done": index}, line
-            outputs = [read_result(proc, args.step_timeout) for proc in procs]
+                for proc in procs:  # each worker answers within --step-timeout: done, or why not
+                    reply = json.loads((proc.stdout.readline() if proc.stdout else "") or '{"error": "exited"}')
+                    failed += [f"round {index}: {reply['error']}"] if "error" in reply else []
+                if failed:
+                    break
+            outputs = [] if failed else [read_result(proc, args.step_timeout) for proc in procs]
         finally:
             for proc in procs:
                 stop(proc)
+    engine = (
+        "p2p-butterfly (libp2p streams)"
+        if p2p
+        else "tcp-butterfly (parts returned once all senders' arrived)"
+        if butterfly
+        else "tcp (the bytes alone)"
+    )
+    if failed:
+        return [{"peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": engine,
+                 "errors": failed}]  # fmt: skip
     times = [max(group) for group in zip(*(out["seconds"] for out in outputs), strict=True)]
     bound = 2 * (peers - 1) / peers * payload * 8 / (mbit * 1e6) if mbit > 0 else None
     median = statistics.median(times)
     return [{
-        "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": "tcp (the bytes alone)",
+        "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": engine,
         "payload_bytes": payload, "bound_s": round(bound, 3) if bound else None, "median_s": round(median, 3),
         "ratio_to_bound": round(median / bound, 3) if bound else None, "round_s": [round(t, 3) for t in times],
     }]  # fmt: skip
@@ -528,9 +658,9 @@ def run_swarm_peers(args: argparse.Namespace, peers: int, mbit: float, name: str
     with tempfile.TemporaryDirectory() as tmp, namespaces or contextlib.nullcontext():
         if namespaces is not None:
             namespaces.shape(mbit, args.queue_ms)
-        spec = {"swarm": True, "peers": peers, "params": args.params, "compressions": [name], "rounds": args.rounds,
-                "matchmaking_time": args.swarm_matchmaking_time, "step_timeout": args.step_timeout,
-                "compute_s": args.compute_s, "part_bytes": args.trahiv_part_bytes,
+        spec = {"swarm": True, "peers": peers, "params": args.params, "tensors": args.tensors, "compressions": [name],
+                "rounds": args.rounds, "matchmaking_time": args.swarm_matchmaking_time,
+                "step_timeout": args.step_timeout, "compute_s": args.compute_s, "part_bytes": args.trahiv_part_bytes,
                 "average_state_every": args.average_state_every}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, {**spec, "rounds_file": f"{tmp}/rounds.jsonl"})
@@ -612,8 +742,8 @@ def run_averagers(args: argparse.Namespace, peers: int, mbit: float) -> list[dic
         if namespaces is not None:
             namespaces.shape(mbit, args.queue_ms)
         spec = {
-            "peers": peers, "params": args.params, "compressions": args.compressions,
-            "engines": [e for e in args.engines if e not in ("swarm", "tcp")], "rounds": args.rounds,
+            "peers": peers, "params": args.params, "tensors": args.tensors, "compressions": args.compressions,
+            "engines": [e for e in args.engines if e not in NOT_AVERAGERS], "rounds": args.rounds,
             "matchmaking_time": args.matchmaking_time, "step_timeout": args.step_timeout,
             "trahiv_part_bytes": args.trahiv_part_bytes,
         }  # fmt: skip
@@ -699,10 +829,11 @@ def main() -> None:
     parser.add_argument("--peers", type=int, nargs="+", default=[4])
     parser.add_argument("--bandwidths", type=float, nargs="+", default=[100.0], help="Mbit/s per link; 0 = loopback")
     parser.add_argument("--params", type=int, default=8 * 2**20)
+    parser.add_argument("--tensors", type=int, help="that many equal tensors instead of LoRA's (65,536 values each)")
     parser.add_argument("--compressions", nargs="+", default=["fp16", "uniform8bit", "size_adaptive"])
     parser.add_argument(
         "--engines", nargs="+", default=["hivemind", "trahiv"],
-        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp"],
+        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp", "tcp-butterfly", "p2p-butterfly"],
         help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
              "as the Trainer builds them (gradient and parameter rounds reported separately)",
     )  # fmt: skip
@@ -727,8 +858,8 @@ def main() -> None:
     started = time.time()
     rows = [row for peers in args.peers for mbit in args.bandwidths for row in run_swarm(args, peers, mbit)]
     print(json.dumps({
-        "benchmark": "averaging_round", "params": len(lora_shapes(args.params)) * LORA_RANK * HIDDEN,
-        "tensors": len(lora_shapes(args.params)), "rounds": args.rounds, "queue_ms": args.queue_ms,
+        "benchmark": "averaging_round", "params": sum(a * b for a, b in lora_shapes(args.params, args.tensors)),
+        "tensors": len(lora_shapes(args.params, args.tensors)), "rounds": args.rounds, "queue_ms": args.queue_ms,
         "cpu_count": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.time() - started, 1),

@@ -1,4 +1,4 @@
-"""trahiv's faster uniform 8-bit encoder: hivemind's wire format and error (speed: benchmarks/averaging_round.py)."""
+"""trahiv's faster uniform 8-bit encoder: hivemind's wire format and error (speed: benchmarks/codecs.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def test_named_8bit_compressions_use_the_fast_encoder(name):
     assert message.compression == runtime_pb2.UNIFORM_8BIT
     centres = np.frombuffer(message.buffer, offset=8, count=256, dtype=np.float32)[1:-1]
     assert np.allclose(np.diff(centres), np.diff(centres)[0], rtol=1e-3)  # bin centres: evenly spaced
+
+
+def test_reducers_encode_their_results_with_the_fast_encoder():
+    """A reducer serializes each aggregate in the codec its sender's message names (hivemind's
+    `serialize_torch_tensor(tensor, compression_type)`, also hivemind's own parameter rounds): trahiv's encoder, whose
+    codebook holds evenly spaced bin centres (hivemind's holds each bin's mean)."""
+    from hivemind.compression import serialize_torch_tensor
+
+    tensor = torch.randn(2**16, generator=torch.Generator().manual_seed(0))
+    message = serialize_torch_tensor(tensor, runtime_pb2.UNIFORM_8BIT)
+    centres = np.frombuffer(message.buffer, offset=8, count=256, dtype=np.float32)[1:-1]
+    assert np.allclose(np.diff(centres), np.diff(centres)[0], rtol=1e-3)
+    theirs = Uniform8BitQuantization().compress(tensor, CompressionInfo.from_tensor(tensor))
+    hivemind_centres = np.frombuffer(theirs.buffer, offset=8, count=256, dtype=np.float32)[1:-1]
+    assert not np.allclose(np.diff(hivemind_centres), np.diff(hivemind_centres)[0], rtol=1e-3)  # the control
+    ours_error = float((deserialize_torch_tensor(message) - tensor).norm())
+    assert ours_error <= 1.02 * float((deserialize_torch_tensor(theirs) - tensor).norm())
 
 
 def test_decoded_values_stay_within_the_tensors_range():

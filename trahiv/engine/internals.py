@@ -334,6 +334,7 @@ INTERNALS: tuple[Internal, ...] = (
         "(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor",
     ),
     Internal("hivemind.compression.quantization", "_BLOCKWISE_QUANTIZATION_BLOCKSIZE", "module", None),
+    Internal("hivemind.compression.serialization", "_BASE_COMPRESSION_TYPES", "module", None),
     Internal("hivemind.utils.multiaddr", "Multiaddr", "module", None),  # loaded from its files (engine/multiaddr.py)
     Internal("hivemind.dht.dht:DHT", "run", "method", "(self) -> 'None'"),
     Internal("hivemind.utils.crypto:RSAPrivateKey", "__setstate__", "method", "(self, state)"),
