@@ -379,7 +379,8 @@ def _fix_quantization() -> None:
     _replace(quantization.Quantization, "extract", _extract_quantized)
     _replace(quantization.BlockwiseQuantization, "extract", _extract_blockwise)
     # a reducer encodes what it returns in the codec its sender's message names, looked up here: trahiv's encoder
-    # (same wire format) instead of hivemind's, which took 2x its time for a 524,288-value part
+    # (same wire format) instead of hivemind's, which took 1.7-2.2x its time for a 524,288-value part
+    # (benchmarks/codecs.py)
     serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = FastUniform8BitQuantization()
 
 
