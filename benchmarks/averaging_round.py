@@ -331,7 +331,7 @@ def tcp_worker(spec: dict) -> None:
         count[0] += n
         return count[0] == peers - 1
 
-    async def send(host: str, port: int) -> None:
+    async def connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         for _ in range(50):  # the others' servers may not be up yet
             try:
                 reader, writer = await asyncio.open_connection(host, port)
@@ -339,6 +339,10 @@ def tcp_worker(spec: dict) -> None:
             except OSError:
                 await asyncio.sleep(0.1)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+    async def send(host: str, port: int) -> None:
+        _, writer = await connect(host, port)
         await asyncio.sleep(max(0.0, start_at[0] - time.time()))
         left = per_pair
         while left > 0:
@@ -387,13 +391,7 @@ def tcp_worker(spec: dict) -> None:
         if p2p is not None:  # `p2p-butterfly`: a libp2p stream through this peer's p2pd, as the averagers' are
             _, reader, writer = await p2p.call_binary_stream_handler(peer_ids[port - 7000], "bench_butterfly")
         else:
-            for _ in range(50):  # the others' servers may not be up yet
-                try:
-                    reader, writer = await asyncio.open_connection(host, port)
-                    break
-                except OSError:
-                    await asyncio.sleep(0.1)
-            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader, writer = await connect(host, port)
         writer.write(bytes([index]))
         await asyncio.sleep(max(0.0, start_at[0] - time.time()))
 
