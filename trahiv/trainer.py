@@ -234,6 +234,13 @@ class Trainer(transformers.Trainer):
                 "its optimizer from factories. Choose it with TrainingArguments(optim=...) or "
                 "Trainer(optimizer_cls_and_kwargs=(cls, kwargs)), and the schedule with lr_scheduler_type."
             )
+        if config.opt.reuse_grad_buffers and config.diloco is None:
+            raise ValueError(
+                'hivemind_config["opt"]["reuse_grad_buffers"] = True cannot work in a Trainer: hivemind would sum the '
+                "local steps' gradients in .grad, and the Trainer zeroes .grad after every local step (only the last "
+                "one's would be averaged). Leave it False (the default); to save memory, raise "
+                "gradient_accumulation_steps instead"
+            )
         from trahiv.swarm import Swarm, model_fingerprint  # starts the engine only for swarm peers
 
         self.swarm = swarm = Swarm(config)
@@ -340,10 +347,10 @@ class Trainer(transformers.Trainer):
         self.optimizer = self.swarm.make_optimizer(
             groups, make_optimizer, make_scheduler, self.samples_per_local_step()
         )
-        if self.args.fp16 and self.accelerator.scaler is not None:
-            import hivemind
-
-            self.accelerator.scaler = hivemind.GradScaler()  # the swarm's steps need hivemind's scaler
+        # fp16: the Trainer's own GradScaler unscales each local step's gradients (and skips a step that overflowed)
+        # before the swarm's optimizer accumulates them, as with any optimizer. hivemind.GradScaler is for
+        # reuse_grad_buffers, which a Trainer peer refuses (see __init__); with it, the swarm would average scaled
+        # gradients and the Trainer would clip them scaled (tests/test_fp16_scaler.py)
         return self.optimizer
 
     def _parameter_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:

@@ -1,0 +1,93 @@
+"""The CUDA paths, with two peer processes on one GPU (skipped without one): fp16 with the Trainer's GradScaler,
+bitsandbytes' 8-bit optimizer on the GPU, QLoRA (a 4-bit base model with LoRA adapters), DiLoCo under fp16. Each swarm
+must end with its peers holding the same trainable weights. CI has no GPU: these run on a lent GPU machine (README)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from swarm_helpers import start_bootstrap, start_peer, stop
+
+pytestmark = [
+    pytest.mark.swarm,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def swarm(tmp_path, workdir, monkeypatch):
+    """Runs two cuda_worker.py peers of one mode (spawned: CUDA does not survive a fork); returns their done.json."""
+    monkeypatch.setenv("TRAHIV_TEST_NO_FORK", "1")
+    bootstrap = start_bootstrap(tmp_path)
+    peers = []
+
+    def run(mode: str, max_steps: int, target: int, batch_size: int = 8, **per_peer: dict) -> dict[str, dict]:
+        for name in ("a", "b"):
+            spec = {"mode": mode, "workdir": str(workdir), "run_id": f"cuda-{mode}", "initial_peers":
+                    bootstrap.initial_peers, "max_steps": max_steps, "target": target, "batch_size": batch_size,
+                    **per_peer.get(name, {})}  # fmt: skip
+            peers.append(start_peer(tmp_path, name, worker="cuda_worker.py", **spec))
+        return {peer.name: peer.finish(timeout=300) for peer in peers}
+
+    yield run
+    for peer in peers:
+        stop(peer.process)
+    bootstrap.stop()
+
+
+def test_fp16_averages_unscaled_gradients_and_drops_an_overflowed_step(swarm):
+    """Every gradient is 0.5, lr 1, 3 steps: w = -1.5 on both peers. Peer a's third forward pass overflows: its
+    scaler halves the scale and skips that step; gradient clipping (10) sees unscaled norms (1.0)."""
+    done = swarm("fp16_toy", max_steps=3, target=16, batch_size=4, a={"overflow_at": 3})
+    for name, peer in done.items():
+        assert peer["global_step"] == 3 and peer["devices"] == ["cuda"], (name, peer)
+        assert peer["scaler"] == "torch.amp.grad_scaler.GradScaler", peer
+        assert peer["values"] == pytest.approx([-1.5] * 4, abs=1e-6), (name, peer)
+        finite = [n for n in peer["grad_norms"] if math.isfinite(n)]
+        assert finite and all(n == pytest.approx(1.0) for n in finite), (name, peer["grad_norms"])
+    assert done["a"]["scale"] == done["b"]["scale"] / 2, done
+
+
+def test_fp16_gpt2_trains_with_unscaled_clipping(swarm):
+    done = swarm("fp16", max_steps=4, target=32)
+    a, b = done["a"], done["b"]
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["sha256"] == b["sha256"], "the peers ended with different weights"
+    for peer in (a, b):
+        assert peer["scaler"] == "torch.amp.grad_scaler.GradScaler" and peer["devices"] == ["cuda"], peer
+        assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
+        finite = [n for n in peer["grad_norms"] if math.isfinite(n)]
+        assert finite and max(finite) < 100, f"gradient norms of scaled gradients? {peer['grad_norms']}"
+
+
+def test_bitsandbytes_8bit_adamw_keeps_its_states_on_the_gpu(swarm):
+    done = swarm("bnb8bit", max_steps=4, target=32)
+    a, b = done["a"], done["b"]
+    assert a["sha256"] == b["sha256"], "the peers ended with different weights"
+    for peer in (a, b):
+        assert peer["optimizer"].startswith("bitsandbytes.optim") and peer["devices"] == ["cuda"], peer
+        assert peer["states"].get("state1:torch.uint8:cuda", 0) > 0, peer["states"]
+        assert peer["losses"][-1] < peer["losses"][0], peer["losses"]
+
+
+def test_qlora_averages_the_adapters_of_a_4bit_model(swarm):
+    done = swarm("qlora", max_steps=4, target=32)
+    a, b = done["a"], done["b"]
+    assert a["sha256"] == b["sha256"], "the peers ended with different adapters"
+    for peer in (a, b):
+        assert peer["base_weight"] == "Params4bit", peer
+        assert 0 < peer["trainable"] < 100_000, peer  # the adapters only
+        assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
+        assert peer["lora_b_abs"] > 0, "the adapters did not train (peft starts lora_B at zero)"
+
+
+def test_diloco_with_fp16(swarm):
+    done = swarm("diloco_fp16", max_steps=4, target=32)
+    a, b = done["a"], done["b"]
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["sha256"] == b["sha256"], "the peers ended the last sync with different weights"
+    for peer in (a, b):
+        assert peer["scaler"] == "torch.amp.grad_scaler.GradScaler", peer
+        assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
