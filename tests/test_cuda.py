@@ -91,3 +91,54 @@ def test_diloco_with_fp16(swarm):
     for peer in (a, b):
         assert peer["scaler"] == "torch.amp.grad_scaler.GradScaler", peer
         assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
+
+
+# One fp32 AdamW step of a GPT-2 on the GPU, in a fresh process: the peak of allocated GPU memory (the CUDA context and
+# the allocator's cache are not counted). A first, short step creates the gradients and Adam states; the second, with
+# the gradients kept, is the step whose peak the calculator predicts. On a GPU dropout keeps bool masks, as the formula
+# assumes (tests/test_memory.py measures the same on the CPU, where they are float32).
+MEASURE_GPU = """
+import json, sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+config = GPT2Config.from_json_file(sys.argv[1])
+config._attn_implementation = "eager"  # the attention the formula describes
+batch, seq, checkpointing = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+model = GPT2LMHeadModel(config).cuda().train()
+if checkpointing:
+    model.gradient_checkpointing_enable()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+for rows, length in [(1, 16), (batch, seq)]:
+    inputs = torch.randint(0, config.vocab_size, (rows, length), device="cuda")
+    model(input_ids=inputs, labels=inputs).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+torch.cuda.synchronize()
+print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "bytes": torch.cuda.max_memory_allocated()}))
+"""
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_memory_calculator_matches_a_gpu_training_step(tmp_path, checkpointing):
+    """GPT-2 small's shape (124M parameters, 12 layers of 768), batch 8 x 512, fp32 AdamW: predicted within 15%."""
+    import json
+    import subprocess
+    import sys
+
+    from swarm_helpers import ENV
+    from transformers import GPT2Config
+
+    from trahiv.memory import MemoryOptions, estimate, resolve_model
+
+    GPT2Config(n_positions=512, activation_function="gelu_pytorch_tanh").save_pretrained(tmp_path)
+    command = [sys.executable, "-c", MEASURE_GPU, str(tmp_path / "config.json"), "8", "512", str(int(checkpointing))]
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    shape = resolve_model(tmp_path / "config.json")
+    assert shape.n_params == measured["params"]
+    options = MemoryOptions(batch_size=8, seq_len=512, gradient_checkpointing=checkpointing)
+    predicted = estimate(shape, options).total
+    print(f"predicted {predicted / 2**20:.0f} MiB, measured {measured['bytes'] / 2**20:.0f} MiB")
+    assert predicted == pytest.approx(measured["bytes"], rel=0.15)
