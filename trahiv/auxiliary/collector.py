@@ -14,6 +14,7 @@ lives in the DHT; another key claiming the same peer ID meanwhile is ignored (wi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -183,7 +184,11 @@ class Collector:
             return True
         if (record.peer_id, subkey) not in self._warned:
             self._warned.add((record.peer_id, subkey))
-            logger.warning(f"Ignoring metrics for peer {record.peer_id} signed by another key than its records so far")
+            logger.warning(
+                f"Ignoring metrics for peer {record.peer_id} signed by another key than its records so far (step "
+                f"{record.step}; key {_key_id(subkey)}, its records' key {_key_id(known.owner)}; "
+                f"{len(live)} live keys claim this peer)"
+            )
         return False
 
     def _update_contributor(self, subkey: bytes, record: MetricsRecord) -> bool:
@@ -227,3 +232,8 @@ class Collector:
                 values = aggregate_step(number, list(step.records.values())).values()
                 for tracker in self.trackers:
                     tracker.log(number, values)
+
+
+def _key_id(subkey: bytes) -> str:
+    """A short, stable name of a record's signing key (its subkey) for the logs."""
+    return hashlib.sha256(subkey).hexdigest()[:10]
