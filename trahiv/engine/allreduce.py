@@ -23,7 +23,6 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from trahiv.averaging.robust import MEAN, Aggregation, aggregate, rejection_reason
 from trahiv.engine import fixes
-from trahiv.engine.buckets import Buckets
 
 fixes.apply()  # the engine's fixes hold wherever its all-reduce runs
 logger = logging.getLogger("trahiv.averaging")
@@ -32,7 +31,6 @@ __all__ = [
     "NoUsablePartError",
     "RobustAllReduceRunner",
     "RobustTensorPartReducer",
-    "bucket_small_tensors",
     "group_modes",
     "run_robust_allreduce_",
 ]
@@ -258,13 +256,12 @@ async def run_robust_allreduce_(
     peer then runs as a sender of zeros, weight 0, and receives the averaged values)."""
     group_id = group_info.group_id if group_id is None else group_id
     kwargs.setdefault("modes", group_modes(averager, group_info))
-    buckets = bucket_small_tensors(tensors, group_info, kwargs)
     runner = (runner_cls or RobustAllReduceRunner)(
         aggregation=aggregation,
         p2p=averager._p2p,
         servicer_type=type(averager),
         prefix=averager.prefix,
-        tensors=buckets.tensors,
+        tensors=tensors,
         group_id=group_id,
         ordered_peer_ids=group_info.peer_ids,
         **kwargs,
@@ -275,29 +272,13 @@ async def run_robust_allreduce_(
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
         return
-    updates: AsyncIterator = azip(as_aiter(*buckets.tensors), runner)
+    updates: AsyncIterator = azip(as_aiter(*tensors), runner)
     async for tensor, update in updates:
         tensor.add_(update, alpha=averager._averaging_alpha)
         averager.last_updated = get_dht_time()
-    buckets.write_back()
     # (hivemind also sets `_state_updated` after every tensor: each wakes the state-sharing loop, which stores the
     # unchanged priority in the DHT again: 128 stores a round for 128 tensors, 3,930 DHT messages in one parameter
     # round of 4 peers, over the links the round itself needs. A new priority is declared by its setter.)
-
-
-def bucket_small_tensors(tensors: Sequence[torch.Tensor], group_info: Any, kwargs: dict[str, Any]) -> Buckets:
-    """The round's tensors, small ones as one (trahiv.engine.buckets); `kwargs`' tensor_infos are replaced by the
-    buckets' own."""
-    buckets = Buckets.make(
-        tensors,
-        len(group_info.peer_ids),
-        compression=kwargs.get("compression"),
-        part_size_bytes=kwargs.get("part_size_bytes"),
-        tensor_infos=kwargs.get("tensor_infos"),
-    )
-    if buckets.tensor_infos is not None:
-        kwargs["tensor_infos"] = buckets.tensor_infos
-    return buckets
 
 
 def group_modes(averager: Any, group_info: Any) -> tuple[AveragingMode, ...]:

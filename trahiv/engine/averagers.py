@@ -57,7 +57,6 @@ from trahiv.averaging.robust import (
 )
 from trahiv.engine import fixes
 from trahiv.engine.allreduce import run_robust_allreduce_
-from trahiv.engine.buckets import plan_buckets
 from trahiv.engine.fixes import EPOCH_KEY_BITS
 from trahiv.engine.traffic import Traffic, TrafficCountingRunner
 
@@ -687,14 +686,6 @@ class ReportingMixin:
     ) -> None:
         group_size = len(group_info.peer_ids)
         sizes = compressed_sizes(tensors, kwargs.get("compression"), kwargs.get("tensor_infos"))
-        plan = plan_buckets(
-            tensors,
-            group_size,
-            compression=kwargs.get("compression"),
-            part_size_bytes=kwargs.get("part_size_bytes"),
-            tensor_infos=kwargs.get("tensor_infos"),
-        )
-        sizes = [sum(sizes[i] for i in indices) for indices in plan]  # the round's tensors (trahiv.engine.buckets)
         payload, timeout = sum(sizes), None
         if self.deadlines is not None:  # parts never span tensors: none is larger than the largest tensor
             part_bytes = min(kwargs.get("part_size_bytes", 2**19), max(sizes, default=1))

@@ -33,7 +33,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from trahiv.averaging.partial import RoundReport
 from trahiv.compression import FloatsOnly
-from trahiv.engine.allreduce import NoUsablePartError, bucket_small_tensors, group_modes
+from trahiv.engine.allreduce import NoUsablePartError, group_modes
 from trahiv.engine.averagers import PartialRoundRunner, RobustAverager
 
 __all__ = ["ExactAverager", "ExactRoundRunner", "compression_type", "run_exact_allreduce_"]
@@ -136,13 +136,12 @@ async def run_exact_allreduce_(
     """Like trahiv.averaging.robust.run_robust_allreduce_, but the tensors are replaced by the round's results."""
     group_id = group_info.group_id if group_id is None else group_id
     kwargs.setdefault("modes", group_modes(averager, group_info))
-    buckets = bucket_small_tensors(tensors, group_info, kwargs)
     runner = (runner_cls or ExactRoundRunner)(
         aggregation=averager.aggregation,
         p2p=averager._p2p,
         servicer_type=type(averager),
         prefix=averager.prefix,
-        tensors=buckets.tensors,
+        tensors=tensors,
         group_id=group_id,
         ordered_peer_ids=group_info.peer_ids,
         **kwargs,
@@ -154,10 +153,9 @@ async def run_exact_allreduce_(
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
         return
-    async for tensor, result in azip(as_aiter(*buckets.tensors), runner):
+    async for tensor, result in azip(as_aiter(*tensors), runner):
         tensor.copy_(result)
         averager.last_updated = get_dht_time()  # (no `_state_updated`: see trahiv.engine.allreduce)
-    buckets.write_back()
 
 
 class ExactAverager(RobustAverager):
