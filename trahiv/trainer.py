@@ -238,8 +238,7 @@ class Trainer(transformers.Trainer):
             raise ValueError(
                 'hivemind_config["opt"]["reuse_grad_buffers"] = True cannot work in a Trainer: hivemind would sum the '
                 "local steps' gradients in .grad, and the Trainer zeroes .grad after every local step (only the last "
-                "one's would be averaged). Leave it False (the default); to save memory, raise "
-                "gradient_accumulation_steps instead"
+                "one's would be averaged). Leave it False (the default)"
             )
         from trahiv.swarm import Swarm, model_fingerprint  # starts the engine only for swarm peers
 
