@@ -104,24 +104,32 @@ from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
 config = GPT2Config.from_json_file(sys.argv[1])
 config._attn_implementation = "eager"  # the attention the formula describes
-batch, seq, checkpointing = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+batch, seq, checkpointing, fp16 = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "fp16"
 model = GPT2LMHeadModel(config).cuda().train()
 if checkpointing:
     model.gradient_checkpointing_enable()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+scaler = torch.amp.GradScaler("cuda", enabled=fp16)  # fp16 as the Trainer trains: fp32 weights, autocast
 for rows, length in [(1, 16), (batch, seq)]:
     inputs = torch.randint(0, config.vocab_size, (rows, length), device="cuda")
-    model(input_ids=inputs, labels=inputs).loss.backward()
-    optimizer.step()
+    with torch.autocast("cuda", dtype=torch.float16, enabled=fp16):
+        loss = model(input_ids=inputs, labels=inputs).loss
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=False)
 torch.cuda.synchronize()
 print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "bytes": torch.cuda.max_memory_allocated()}))
 """
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-def test_memory_calculator_matches_a_gpu_training_step(tmp_path, checkpointing):
-    """GPT-2 small's shape (124M parameters, 12 layers of 768), batch 8 x 512, fp32 AdamW: predicted within 15%."""
+@pytest.mark.parametrize(
+    ("checkpointing", "precision"), [(False, "fp32"), (True, "fp32"), (False, "fp16")], ids=["plain", "ckpt", "fp16"]
+)
+def test_memory_calculator_matches_a_gpu_training_step(tmp_path, checkpointing, precision):
+    """GPT-2 small's shape (124M parameters, 12 layers of 768), batch 8 x 512, AdamW: predicted within 15%. fp16 is
+    measured as the Trainer trains (fp32 weights and gradients, autocast); the calculator counts fp16 weights and
+    gradients with fp32 master weights: the same 16 bytes per parameter with Adam."""
     import json
     import subprocess
     import sys
@@ -132,13 +140,14 @@ def test_memory_calculator_matches_a_gpu_training_step(tmp_path, checkpointing):
     from trahiv.memory import MemoryOptions, estimate, resolve_model
 
     GPT2Config(n_positions=512, activation_function="gelu_pytorch_tanh").save_pretrained(tmp_path)
-    command = [sys.executable, "-c", MEASURE_GPU, str(tmp_path / "config.json"), "8", "512", str(int(checkpointing))]
+    config = str(tmp_path / "config.json")
+    command = [sys.executable, "-c", MEASURE_GPU, config, "8", "512", str(int(checkpointing)), precision]
     done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     shape = resolve_model(tmp_path / "config.json")
     assert shape.n_params == measured["params"]
-    options = MemoryOptions(batch_size=8, seq_len=512, gradient_checkpointing=checkpointing)
+    options = MemoryOptions(batch_size=8, seq_len=512, gradient_checkpointing=checkpointing, precision=precision)
     predicted = estimate(shape, options).total
     print(f"predicted {predicted / 2**20:.0f} MiB, measured {measured['bytes'] / 2**20:.0f} MiB")
     assert predicted == pytest.approx(measured["bytes"], rel=0.15)
