@@ -52,6 +52,18 @@ def test_bf16_autocast_trains_and_bf16_weights_fail_clearly(tmp_path, workdir):
         trainer.train()
     assert trainer.swarm.dht.is_alive() is False  # the peer left the swarm on the error
 
+    # hivemind's fp16 codecs refuse bf16 tensors mid-round (size_adaptive: the tensors under 2^16 values)
+    for name in ("fp16", "scaled_fp16", "size_adaptive"):
+        opt = {"offload_optimizer": False, "grad_compression": name}
+        trainer = make_trainer(tmp_path, workdir, f"bf16-{name}", model=model, opt=opt)
+        with pytest.raises(ValueError, match=rf"cannot travel in fp16 \(grad_compression='{name}'"):
+            trainer.train()
+        assert trainer.swarm.dht.is_alive() is False
+
+    opt = {"offload_optimizer": False, "grad_compression": "uniform8bit"}
+    trainer = make_trainer(tmp_path, workdir, "bf16-weights-on-device", model=model, opt=opt)
+    assert trainer.train().training_loss > 0 and next(trainer.model.parameters()).dtype == torch.bfloat16
+
 
 def test_prebuilt_optimizer_is_refused(tmp_path, workdir):
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model")

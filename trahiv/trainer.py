@@ -374,9 +374,15 @@ class Trainer(transformers.Trainer):
                 'hivemind_config["opt"]["offload_optimizer"] = False, or keep trainable weights in float32 '
                 "(TrainingArguments(bf16=True) with float32 weights works: autocast computes in bf16)"
             )
-        uses_fp16 = "fp16" in (opt.grad_compression, opt.state_averaging_compression, opt.load_state_compression)
-        if torch.bfloat16 in dtypes and uses_fp16:
-            raise ValueError("fp16 compression rejects bf16 tensors: use 'scaled_fp16', '*8bit' or 'none'")
+        # hivemind's fp16 codecs refuse bf16 tensors (a sender's error, and the round fails at its deadline), and
+        # size_adaptive sends tensors under 2^16 values in fp16
+        fields = ("grad_compression", "state_averaging_compression", "load_state_compression")
+        fp16 = [f"{field}={getattr(opt, field)!r}" for field in fields if getattr(opt, field) in FP16_CODECS]
+        if torch.bfloat16 in dtypes and fp16:
+            raise ValueError(
+                f"bf16 trainable parameters cannot travel in fp16 ({', '.join(fp16)}; size_adaptive sends small "
+                "tensors in fp16): use 'uniform8bit', 'blockwise8bit' or 'none'"
+            )
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.swarm is None or config_of(self).diloco is not None:  # [DiLoCo] the Trainer's own, local schedule
@@ -440,6 +446,9 @@ class Trainer(transformers.Trainer):
         if self.swarm is not None:
             logs = {**logs, **self.swarm.metrics()}
         super().log(logs, *args, **kwargs)
+
+
+FP16_CODECS = frozenset({"fp16", "scaled_fp16", "size_adaptive"})  # compressions that send some tensors in fp16
 
 
 def _is_8bit(optimizer_cls: Any, optimizer_kwargs: dict[str, Any]) -> bool:
