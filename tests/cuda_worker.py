@@ -4,6 +4,7 @@ SPEC["mode"] picks what runs on the GPU, as a user's Trainer script would:
 - fp16_toy:  fp16 (the Trainer's GradScaler) on a model whose every gradient is exactly 0.5, SGD lr 1; with
              SPEC["overflow_at"], that forward pass of this peer returns an infinite loss (its step overflows)
 - fp16:      fp16 on the tiny GPT-2 with AdamW and gradient clipping
+- bf16:      the tiny GPT-2 loaded in bf16, its optimizer on the GPU, gradients and parameters averaged in 8 bits
 - bnb8bit:   bitsandbytes' 8-bit AdamW with its states on the GPU (offload_optimizer False)
 - qlora:     the tiny GPT-2 loaded in 4 bits (nf4, bitsandbytes) with LoRA adapters, bf16 autocast
 - diloco_fp16: DiLoCo (2 inner steps) with fp16 on the tiny GPT-2
@@ -49,6 +50,9 @@ def build(spec: dict) -> tuple[torch.nn.Module, dict]:
                                              "lr_scheduler_type": "constant", "max_grad_norm": 10.0}  # fmt: skip
     if mode in ("fp16", "diloco_fp16"):
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir), {"fp16": True}
+    if mode == "bf16":  # weights in bf16 (no autocast): the states stay on the GPU, gradients travel in 8 bits
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        return model, {}
     if mode == "bnb8bit":
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir), {"optim": "adamw_bnb_8bit"}
     if mode == "qlora":
@@ -80,6 +84,8 @@ def main(spec_path: str) -> int:
            "averaging_timeout": 30.0, "min_peers": 2, **spec.get("opt", {})}  # fmt: skip
     if spec["mode"] == "bnb8bit":
         opt["offload_optimizer"] = False  # bitsandbytes' CUDA kernels update the states on the GPU
+    if spec["mode"] == "bf16":  # (hivemind cannot offload bf16 parameters; fp16 codecs refuse bf16)
+        opt.update(offload_optimizer=False, grad_compression="uniform8bit", state_averaging_compression="uniform8bit")
     config = {"dht": {"initial_peers": spec["initial_peers"], "nat_port_map": False, "client_mode": False}, "opt": opt}
     if spec["mode"] == "diloco_fp16":
         config["diloco"] = {"inner_steps": 2, "compression": "fp16"}

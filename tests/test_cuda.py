@@ -1,6 +1,7 @@
 """The CUDA paths, with two peer processes on one GPU (skipped without one): fp16 with the Trainer's GradScaler,
-bitsandbytes' 8-bit optimizer on the GPU, QLoRA (a 4-bit base model with LoRA adapters), DiLoCo under fp16. Each swarm
-must end with its peers holding the same trainable weights. CI has no GPU: these run on a lent GPU machine (README)."""
+bf16 weights, bitsandbytes' 8-bit optimizer on the GPU, QLoRA (a 4-bit base model with LoRA adapters), DiLoCo under
+fp16. Each swarm must end with its peers holding the same trainable weights. CI has no GPU: these run on a lent GPU
+machine (README, GPU checks); the memory calculator is checked against a GPU's allocations too."""
 
 from __future__ import annotations
 
@@ -69,6 +70,17 @@ def test_bitsandbytes_8bit_adamw_keeps_its_states_on_the_gpu(swarm):
     for peer in (a, b):
         assert peer["optimizer"].startswith("bitsandbytes.optim") and peer["devices"] == ["cuda"], peer
         assert peer["states"].get("state1:torch.uint8:cuda", 0) > 0, peer["states"]
+        assert peer["losses"][-1] < peer["losses"][0], peer["losses"]
+
+
+def test_bf16_weights_train_with_8bit_averaging(swarm):
+    done = swarm("bf16", max_steps=4, target=32)
+    a, b = done["a"], done["b"]
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["sha256"] == b["sha256"], "the peers ended with different weights"
+    for peer in (a, b):
+        assert peer["devices"] == ["cuda"] and peer["states"].get("exp_avg:torch.bfloat16:cuda", 0) > 0, peer
+        assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
         assert peer["losses"][-1] < peer["losses"][0], peer["losses"]
 
 
