@@ -21,26 +21,10 @@ from pathlib import Path
 
 import torch
 import transformers
+from test_fp16_scaler import Toy  # every gradient exactly 0.5; an infinite loss at its `overflow_at`-th forward pass
 
 from trahiv import Trainer, TrainingArguments
 from trahiv.demo import BlockDataset
-
-GRAD = 0.5
-
-
-class Toy(torch.nn.Module):
-    def __init__(self, overflow_at: int | None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(4))
-        self.register_buffer("c", torch.full((4,), GRAD))
-        self.overflow_at, self.calls = overflow_at, 0
-
-    def forward(self, input_ids=None, labels=None, **kwargs):
-        self.calls += 1
-        loss = (self.w * self.c).sum() + 0.0 * input_ids.float().sum()
-        if self.calls == self.overflow_at:
-            loss = loss * float("inf")
-        return {"loss": loss}
 
 
 def build(spec: dict) -> tuple[torch.nn.Module, dict]:
