@@ -379,23 +379,34 @@ def expected_steps(peers) -> dict[int, dict]:
     return {step: vars(aggregate_step(step, records)) for step, records in by_step.items()}
 
 
-def attack(initial_peers: list[str], victim: str) -> dict:
-    """From a DHT peer of the attacker's: a record stored under the victim's key, a (validly signed) record of the
-    attacker's claiming the victim's peer ID, and a malformed record stored by a peer that skips schema checks."""
-    import hivemind
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.utils import get_dht_time
-    from hivemind.utils.crypto import RSAPrivateKey
+class Attackers:
+    """Two DHT peers of an attacker's, started before the trainers and stopped after them: the swarm's membership stays
+    the same while it trains (peers that join and leave mid-round are tests/test_faults.py's business; here, in
+    clean-clone runs, a trainer once found no group for 60 s after these left, and once lost a parameter round's
+    stream while they started). `attack` stores its records mid-training."""
 
-    from trahiv.metrics import METRICS_TTL, add_metrics_validators, metrics_key
+    def __init__(self, initial_peers: list[str]):
+        import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils.crypto import RSAPrivateKey
 
-    dht_kwargs = dict(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    forger = hivemind.DHT(nat_port_map=False, **dht_kwargs)
-    sloppy = hivemind.DHT(nat_port_map=False, **dht_kwargs)
-    try:
-        own_key = add_metrics_validators(forger, RUN_ID)
-        sloppy_validator = RSASignatureValidator(RSAPrivateKey())  # signs its records, checks no schema
-        sloppy.add_validators([sloppy_validator])
+        from trahiv.metrics import add_metrics_validators
+
+        dht_kwargs = dict(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        self.forger = hivemind.DHT(nat_port_map=False, **dht_kwargs)
+        self.sloppy = hivemind.DHT(nat_port_map=False, **dht_kwargs)
+        self.own_key = add_metrics_validators(self.forger, RUN_ID)
+        self.sloppy_validator = RSASignatureValidator(RSAPrivateKey())  # signs its records, checks no schema
+        self.sloppy.add_validators([self.sloppy_validator])
+
+    def attack(self, victim: str) -> dict:
+        """A record stored under the victim's key, a (validly signed) record of the attacker's claiming the victim's
+        peer ID, and a malformed record stored by a peer that skips schema checks."""
+        from hivemind.utils import get_dht_time
+
+        from trahiv.metrics import METRICS_TTL, metrics_key
+
+        forger, sloppy = self.forger, self.sloppy
         key, expiration = metrics_key(RUN_ID), get_dht_time() + METRICS_TTL
 
         def find_victim():
@@ -405,15 +416,17 @@ def attack(initial_peers: list[str], victim: str) -> dict:
         victim_key = wait_for(find_victim, 30, "the attacker to find the victim's record")
         fake = dict(RECORD, peer_id=victim, step=1, samples=10**9, step_samples=10**9, time=get_dht_time())
         forged = forger.store(key, subkey=victim_key, value=fake, expiration_time=expiration)
-        claimed = forger.store(key, subkey=own_key, value=fake, expiration_time=expiration)
+        claimed = forger.store(key, subkey=self.own_key, value=fake, expiration_time=expiration)
         bad = dict(fake, peer_id=MALFORMED_ID, samples=-5)
-        malformed = sloppy.store(key, subkey=sloppy_validator.local_public_key, value=bad, expiration_time=expiration)
+        subkey = self.sloppy_validator.local_public_key
+        malformed = sloppy.store(key, subkey=subkey, value=bad, expiration_time=expiration)
         after = forger.get(key, latest=True)
         victim_now = parse_metrics(after.value if after else None).get(victim_key)
         return {"forged": forged, "claimed": claimed, "malformed": malformed, "victim_record": victim_now}
-    finally:
-        forger.shutdown()
-        sloppy.shutdown()
+
+    def shutdown(self) -> None:
+        self.forger.shutdown()
+        self.sloppy.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -422,8 +435,9 @@ def swarm(tmp_path_factory, workdir):
     output_dir = tmp / "aux-output"
     started = time.monotonic()
     aux = start_aux(tmp, "aux", output_dir, "--average")  # it also helps the trainers average (auxiliary mode)
-    peers = []
+    peers, attackers = [], None
     try:
+        attackers = Attackers(aux.initial_peers)
         common = dict(
             workdir=str(workdir), run_id=RUN_ID, target=TARGET, max_steps=MAX_STEPS, initial_peers=aux.initial_peers,
             sleep_per_step=0.2, opt={"min_peers": 3, "min_peers_timeout": 90, "average_state_every": STATE_EVERY},
@@ -441,7 +455,7 @@ def swarm(tmp_path_factory, workdir):
             lambda: ids[0] in {c["peer_id"] for c in store.contributors()} and store.steps(), 90, "peer a's first step"
         )
         attacked_at_step = max(row["step"] for row in store.steps())
-        attacks = attack(aux.initial_peers, victim=ids[0])
+        attacks = attackers.attack(victim=ids[0])
         done = [peer.finish(180) for peer in peers]
 
         def caught_up():
@@ -464,6 +478,8 @@ def swarm(tmp_path_factory, workdir):
         stop(aux.process)
         for peer in peers:
             stop(peer.process)
+        if attackers is not None:
+            attackers.shutdown()
 
 
 @pytest.mark.swarm
