@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,38 @@ def samples_per_epoch(peers: list[Peer]) -> dict[int, int]:
         for row in peer.records("local"):
             totals[row["epoch_before"]] = totals.get(row["epoch_before"], 0) + row["batch"]
     return totals
+
+
+def step_together(
+    averagers: Sequence[Any],
+    timeouts: Sequence[float],
+    *,
+    join_s: float = 60.0,
+    after: Callable[[int], None] | None = None,
+    unjoined: Collection[int] = (),
+) -> tuple[list[Any], list[float]]:
+    """One averaging round of `averagers` (peers of one group): each one's `step(timeout=timeouts[rank],
+    allow_retries=False)` in a thread of its own, all started at once. Returns each step's result (or the exception
+    it raised) and its duration in seconds. `after(rank)` runs in a step's thread once the step ended; the threads of
+    `unjoined` are not waited for (a stalled peer's step ends when its averager is shut down); the others for up to
+    `join_s` seconds each."""
+    results: list[Any] = [None] * len(averagers)
+    seconds = [0.0] * len(averagers)
+
+    def step(rank: int) -> None:
+        started = time.monotonic()
+        try:
+            results[rank] = averagers[rank].step(timeout=timeouts[rank], allow_retries=False)
+        except Exception as e:
+            results[rank] = e
+        seconds[rank] = time.monotonic() - started
+        if after is not None:
+            after(rank)
+
+    threads = [threading.Thread(target=step, args=(rank,), daemon=True) for rank in range(len(averagers))]
+    for thread in threads:
+        thread.start()
+    for rank, thread in enumerate(threads):
+        if rank not in unjoined:
+            thread.join(join_s)
+    return results, seconds

@@ -4,11 +4,10 @@ codecs, which the Trainer refuses for bf16 (tests/test_trainer_alone.py), fail i
 
 from __future__ import annotations
 
-import threading
-
 import hivemind
 import pytest
 import torch
+from swarm_helpers import step_together
 
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines
@@ -45,20 +44,8 @@ def average_bf16(name: str, floor: float = 5.0) -> tuple[list, list[torch.Tensor
         )  # fmt: skip
         for rank, dht in enumerate((first, second))
     ]
-    results: list = [None, None]
-
-    def step(rank: int) -> None:
-        try:
-            results[rank] = averagers[rank].step(timeout=40, allow_retries=False)
-        except Exception as e:
-            results[rank] = e
-
-    threads = [threading.Thread(target=step, args=(rank,), daemon=True) for rank in range(2)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        results, _ = step_together(averagers, [40, 40])
         with averagers[0].get_tensors() as tensors:
             after = [t.clone() for t in tensors]
         reports = [report.status for report in averagers[0].round_reports()]

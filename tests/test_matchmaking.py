@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import threading
 import time
 from contextlib import ExitStack
 from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
@@ -22,6 +21,7 @@ import torch
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from swarm_helpers import step_together
 
 from trahiv import engine
 from trahiv.engine.averagers import ReportingAverager
@@ -71,19 +71,7 @@ def run_round(stack: ExitStack) -> tuple[list[Any], int]:
     ]
     for averager in averagers:
         stack.callback(averager.shutdown)
-    results: list[Any] = [None] * 3
-
-    def step(rank: int) -> None:
-        try:
-            results[rank] = averagers[rank].step(timeout=12, allow_retries=False)
-        except Exception as e:
-            results[rank] = e
-
-    threads = [threading.Thread(target=step, args=(rank,), daemon=True) for rank in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    results, _ = step_together(averagers, [12, 12, 12], join_s=30)
     return results, requests.value
 
 
@@ -152,20 +140,8 @@ def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
     ]
     for averager in averagers:
         stack.callback(averager.shutdown)
-    results: list[Any] = [None] * 2
-
-    def step(rank: int, timeout: float) -> None:
-        try:
-            results[rank] = averagers[rank].step(timeout=timeout, allow_retries=False)
-        except Exception as e:
-            results[rank] = e
-
     hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
-    threads = [threading.Thread(target=step, args=args, daemon=True) for args in ((0, 12.0), (1, FOLLOWER_TIMEOUT_S))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    results, _ = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
     tensors = []
     for averager in averagers:
         with averager.get_tensors() as (tensor,):

@@ -12,7 +12,6 @@ import asyncio
 import enum
 import json
 import multiprocessing as mp
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException
+from swarm_helpers import step_together
 
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines, RoundReport
@@ -116,25 +116,13 @@ def run_round(
         )  # fmt: skip
         stack.callback(averager.shutdown)
         averagers.append(averager)
-    results: list = [None] * len(faults)
-    seconds = [0.0] * len(faults)
 
-    def step(rank: int) -> None:
-        started = time.monotonic()
-        try:
-            results[rank] = averagers[rank].step(timeout=45, allow_retries=False)
-        except Exception as e:
-            results[rank] = e
-        seconds[rank] = time.monotonic() - started
+    def leave(rank: int) -> None:
         if faults[rank] == Fault.SERVE_LATE_AND_LEAVE:
             averagers[rank].shutdown()
 
-    threads = [threading.Thread(target=step, args=(rank,), daemon=True) for rank in range(len(faults))]
-    for thread in threads:
-        thread.start()
-    for thread, fault in zip(threads, faults, strict=True):
-        if fault != Fault.STALL:  # a stalled peer's step ends when its averager is shut down
-            thread.join(60)
+    stalled = {rank for rank, fault in enumerate(faults) if fault == Fault.STALL}  # its step ends at its shutdown
+    results, seconds = step_together(averagers, [45] * len(faults), after=leave, unjoined=stalled)
     finished = [rank for rank, fault in enumerate(faults) if fault != Fault.STALL]
     deadline = time.monotonic() + 10  # reports cross from the averager processes
     while not all(averagers[rank].round_reports() or averagers[rank].reports for rank in finished):
