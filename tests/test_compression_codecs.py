@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +89,17 @@ def test_compression_type_names_the_codec_compress_would_use(name):
     for tensor in (torch.randn(100), torch.randn(70_000), torch.arange(5)):  # size_adaptive's two sides; integers
         info = CompressionInfo.from_tensor(tensor, key=0)
         assert compression_type(compression, info) == compression.compress(tensor, info).compression, tensor.shape
+
+
+def test_blockwise8bit_imports_bitsandbytes_before_any_round(monkeypatch):
+    """hivemind imports bitsandbytes at the codec's first use, inside the averager's first round (2.8 s here: a round
+    under load came out partial); make_compression imports it at once (in a fresh interpreter, where nothing did
+    yet), and a missing one is one message."""
+    check = (
+        "import sys; from trahiv.compression import make_compression; assert 'bitsandbytes' not in sys.modules; "
+        "make_compression('blockwise8bit'); assert 'bitsandbytes.functional' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=120)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)  # as if bitsandbytes were not installed
+    with pytest.raises(ImportError, match="compression 'blockwise8bit' needs bitsandbytes.*use 'uniform8bit'"):
+        make_compression("blockwise8bit")
