@@ -123,7 +123,7 @@ def run_round(
 
     stalled = {rank for rank, fault in enumerate(faults) if fault == Fault.STALL}  # its step ends at its shutdown
     results, seconds = step_together(averagers, [45] * len(faults), after=leave, unjoined=stalled)
-    finished = [rank for rank, fault in enumerate(faults) if fault != Fault.STALL]
+    finished = [rank for rank in range(len(faults)) if rank not in stalled]
     deadline = time.monotonic() + 10  # reports cross from the averager processes
     while not all(averagers[rank].round_reports() or averagers[rank].reports for rank in finished):
         if time.monotonic() > deadline:
