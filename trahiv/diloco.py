@@ -150,6 +150,7 @@ class PeerProgress:
     revert_id: int = 0  # the newest revert order this peer applied (trahiv.revert)
     syncing: bool = False  # [overlap] its sync of `outer_step` runs in the background while it trains on
     digest: str = ""  # `outer_digest` of its outer parameters at `outer_step` ('': not said)
+    sync_failed: bool = False  # its averaging of `outer_step` failed: it waits for the others' result, if any
 
     @classmethod
     def parse(cls, value: Any) -> PeerProgress | None:
@@ -168,13 +169,15 @@ class PeerProgress:
         revert_id, syncing = value.get("revert_id", 0), value.get("syncing", False)
         if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int or type(syncing) is not bool:
             return None
-        digest = value.get("outer_digest", "")
+        digest, sync_failed = value.get("outer_digest", ""), value.get("sync_failed", False)
+        if type(sync_failed) is not bool:
+            return None
         if type(digest) is not str or len(digest) > 32 or digest.strip("0123456789abcdef"):
             return None
         outer_step, inner_done, inner_steps, samples = ints
         steps_per_second, at, started = (float(x) for x in floats)
         rates = (steps_per_second, at, started)
-        return cls(peer, outer_step, inner_done, inner_steps, samples, *rates, revert_id, syncing, digest)
+        return cls(peer, outer_step, inner_done, inner_steps, samples, *rates, revert_id, syncing, digest, sync_failed)
 
     def eta(self, outer_step: int | None = None) -> float:
         """DHT time by which this peer should reach the sync point of `outer_step` (default: of its own outer step),
@@ -277,6 +280,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.syncs = {"averaged": 0, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}
         self._adopt_from: PeerProgress | None = None  # the peer whose outer state a diverged peer downloads
         self._catching_up = False  # downloading the swarm's outer state after a missed sync (see _adopt_after_...)
+        self._sync_failed = False  # its averaging failed: waiting for a round that went on without it
         self.sync_wait_s = 0.0  # seconds the inner loop stood still for syncs (waiting for peers, averaging)
         self.overlapped_steps = 0  # [overlap] inner steps computed while a sync ran in the background
         self._pending: PendingSync | None = None  # [overlap] the sync running in the background
@@ -636,11 +640,42 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         except Exception as e:  # the round's report (if it started) says more; values kept local where not averaged
             logger.warning(f"Outer step {self.outer_step}: averaging pseudo-gradients failed ({e!r})")
             self.syncs["failed"] += 1
+            self._await_a_round_without_this_peer()
             return "failed"
         finally:
             averager.round_reports()
         self.syncs["averaged"] += 1
         return "averaged"
+
+    def _await_a_round_without_this_peer(self) -> None:
+        """After this peer's averaging failed: the peers at this sync point with its outer parameters may be in a round
+        that counted it in and goes on without its part (a group that assembled as its search ended, or its
+        all-reduce failed before it sent anything). Wait, at most a round's timeout, until one of them moves past this
+        outer step: the caller then downloads their result (`_swarm_is_ahead`) rather than take the outer step with
+        this peer's own pseudo-gradient. (Not waiting, it took its own while the other, in a 2-peer swarm, applied the
+        round's: half of its values zero where this peer's part was missing; they were apart until the next sync,
+        where one dropped its pseudo-gradient to download the other's outer state: seen in a CI run of
+        `test_diloco.py::test_a_killed_peer_costs_the_others_seconds`.) Peers whose averaging failed too say so in
+        their records (`sync_failed`) and are not waited for: no round went on without them."""
+        opt = self.config.opt
+        deadline = time.monotonic() + opt.averaging_timeout + opt.matchmaking_time
+        self._sync_failed = True
+        try:
+            self._publish(wait=True)
+            while time.monotonic() < deadline:
+                others = self._others().values()
+                if any(r.outer_step > self.outer_step for r in others):
+                    return
+                in_round = [
+                    r for r in others
+                    if r.outer_step == self.outer_step and self._same_state(r) and not r.sync_failed
+                    and (r.inner_done >= r.inner_steps or r.syncing)
+                ]  # fmt: skip
+                if not in_round:
+                    return
+                time.sleep(POLL_PERIOD)
+        finally:
+            self._sync_failed = False
 
     def _apply_outer_step(self, at_sync: Sequence[torch.Tensor] | None = None) -> None:
         """Take the outer step with the averaged pseudo-gradients; copy it into the model, or (overlap: `at_sync`, the
@@ -866,6 +901,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "started": self.started,
             "revert_id": self.revert.applied_id if self.revert is not None else 0,
             "syncing": self._pending is not None or self._catching_up,
+            "sync_failed": self._sync_failed,
             **total_traffic(self.averagers),  # for the auxiliary peer's dashboard (trahiv.auxiliary.diloco)
         }
 
