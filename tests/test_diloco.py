@@ -115,6 +115,9 @@ def test_progress_records_are_validated():
     assert PeerProgress.parse({**good, "revert_id": 2}).revert_id == 2  # type: ignore[union-attr]
     assert PeerProgress.parse({**good, "revert_id": "2"}) is None
     assert PeerProgress.parse({**good, "outer_digest": "00ff12"}).digest == "00ff12"  # type: ignore[union-attr]
+    assert PeerProgress.parse(good).sync_failed is False  # type: ignore[union-attr]  # records from before the flag
+    assert PeerProgress.parse({**good, "sync_failed": True}).sync_failed is True  # type: ignore[union-attr]
+    assert PeerProgress.parse({**good, "sync_failed": 1}) is None
     for digest in ("XYZ", 12, "0" * 33):
         assert PeerProgress.parse({**good, "outer_digest": digest}) is None, digest
 

@@ -674,6 +674,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if not in_round:
                     return
                 time.sleep(POLL_PERIOD)
+        except Exception as e:  # (the DHT shut down under it): the caller takes the outer step as before
+            logger.debug(f"Outer step {self.outer_step}: stopped waiting for the others' round ({e!r})")
         finally:
             self._sync_failed = False
 
