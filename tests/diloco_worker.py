@@ -155,45 +155,35 @@ def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
     return ByzantineDiLoCoAverager
 
 
-def crashing_averager(base: type[DiLoCoAverager], at_round: int, root: int) -> type[DiLoCoAverager]:
-    """An averager that SIGKILLs its peer's process tree (from `root`: the training process, its DHT, p2pd and
-    averagers) as soon as its all-reduce number `at_round` (from 1) is over for its groupmates too: it returned, and
-    each of them closed its stream of the parts this peer reduced (it had them all; 10 s at most)."""
+def faulty_averager(base: type[DiLoCoAverager], at_round: int, fault: str, root: int) -> type[DiLoCoAverager]:
+    """An averager whose all-reduce number `at_round` (from 1) meets `fault`:
+    - "fail": it fails at once: its group counted it in, and it sends nothing (as when its search ended as the group
+      assembled);
+    - "crash": as soon as it is over for the groupmates too (it returned, and each of them closed its stream of the
+      parts this peer reduced: it had them all; 10 s at most), SIGKILL the peer's process tree (from `root`: the
+      training process, its DHT, p2pd and averagers)."""
 
-    class CrashingDiLoCoAverager(base):  # type: ignore[misc,valid-type]
-        rounds = 0
-
-        async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
-            await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
-            type(self).rounds += 1
-            if type(self).rounds == at_round:
-                deadline = time.monotonic() + 10
-                while self._serving > 0 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                tree = psutil.Process(root)
-                for proc in [*tree.children(recursive=True), tree]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        if proc.pid != os.getpid():
-                            proc.kill()
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return CrashingDiLoCoAverager
-
-
-def failing_averager(base: type[DiLoCoAverager], at_round: int) -> type[DiLoCoAverager]:
-    """An averager whose all-reduce number `at_round` (from 1) fails at once: its group counted it in, and it sends
-    nothing (as when its search ended as the group assembled)."""
-
-    class FailingDiLoCoAverager(base):  # type: ignore[misc,valid-type]
+    class FaultyDiLoCoAverager(base):  # type: ignore[misc,valid-type]
         rounds = 0
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
             type(self).rounds += 1
-            if type(self).rounds == at_round:
+            if type(self).rounds != at_round:
+                return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+            if fault == "fail":
                 raise AllreduceException("injected: this peer's all-reduce failed before it sent a part")
             await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+            deadline = time.monotonic() + 10
+            while self._serving > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            tree = psutil.Process(root)
+            for proc in [*tree.children(recursive=True), tree]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if proc.pid != os.getpid():
+                        proc.kill()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    return FailingDiLoCoAverager
+    return FaultyDiLoCoAverager
 
 
 def inject_sync_events(spec: dict) -> None:
@@ -256,12 +246,10 @@ def main(spec_path: str) -> int:
     )
     if spec.get("byzantine"):
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
-    if spec.get("crash_after_sync"):  # outer step N's all-reduce is the peer's N-th (every sync averaged)
-        crash_at = spec["crash_after_sync"]
-        DiLoCoOptimizer.averager_cls = crashing_averager(DiLoCoOptimizer.averager_cls, crash_at, os.getpid())
-    if spec.get("fail_round_at_sync") is not None:  # the sync of outer step N is the peer's round N + 1
-        failing_at = spec["fail_round_at_sync"] + 1
-        DiLoCoOptimizer.averager_cls = failing_averager(DiLoCoOptimizer.averager_cls, failing_at)
+    for fault in ("fail", "crash"):  # the sync of outer step N is the peer's all-reduce N + 1 (every sync averaged)
+        if spec.get(f"{fault}_round_at_sync") is not None:
+            at_round = spec[f"{fault}_round_at_sync"] + 1
+            DiLoCoOptimizer.averager_cls = faulty_averager(DiLoCoOptimizer.averager_cls, at_round, fault, os.getpid())
     if not spec.get("download_at_start", True):  # as when the download from the peer to start from fails
         DiLoCoOptimizer.join = lambda self: False  # type: ignore[method-assign]
     inject_sync_events(spec)

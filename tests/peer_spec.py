@@ -93,11 +93,11 @@ class DiLoCoPeerSpec(_Common):
     signal_sync_at: int | None = Field(None, ge=0)
     signal_file: str | None = None
     hold_sync_at: int | None = Field(None, ge=0)
-    # the peer's averager kills the peer's whole process tree (SIGKILL, as a crash) as soon as its N-th all-reduce is
-    # over (it returned, and its groupmates have every part it reduced): the first moment the round is over for all
-    crash_after_sync: int | None = Field(None, ge=0)
-    # the peer's all-reduce of this outer step's sync fails at once: its group counted it in, and it sends nothing
+    # the peer's all-reduce of this outer step's sync fails at once (its group counted it in, and it sends nothing);
+    # or, crash, its averager kills the peer's whole process tree (SIGKILL) as soon as that all-reduce is over for
+    # the groupmates too (they have every part it reduced): the first moment the round is over for all
     fail_round_at_sync: int | None = Field(None, ge=0)
+    crash_round_at_sync: int | None = Field(None, ge=0)
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

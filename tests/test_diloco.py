@@ -395,8 +395,8 @@ def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
 
 
 def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
-    """Three peers; one is killed (its whole process tree, as a crash) as soon as its all-reduce of outer step 2
-    returns. Its round is over then, for the others too: they hold the same outer parameters at every sync. They wait
+    """Three peers; one is killed (its whole process tree, as a crash) as soon as the all-reduce that takes it to
+    outer step 2 is over for the others too: they hold the same outer parameters at every sync. They wait
     for it at the next sync point at most until its record expires or its reported speed says it should have arrived,
     then average without it: their next sync comes seconds later, not after `max_sync_wait` (600 s) or the engine's
     averaging timeout."""
@@ -404,7 +404,7 @@ def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
     common = {"workdir": str(workdir), "run_id": "diloco_kill", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1, "opt": {"min_peers": 3}}  # fmt: skip
     a, b = (start_diloco_peer(tmp_path, name, **common) for name in ("a", "b"))
-    c = start_diloco_peer(tmp_path, "c", crash_after_sync=2, **common)
+    c = start_diloco_peer(tmp_path, "c", crash_round_at_sync=1, **common)  # as its outer step 2 comes
     peers = [a, b, c]
     try:
         wait_for(lambda: c.process.poll() is not None, 120, "peer c's crash after its second sync")
