@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from swarm_helpers import Peer, start_bootstrap, start_peer, stop, wait_for
+from swarm_helpers import Bootstrap, Peer, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
 from trahiv.diloco import (
@@ -29,6 +29,16 @@ from trahiv.diloco import (
 
 def start_diloco_peer(tmp: Path, name: str, **spec: Any) -> Peer:
     return start_peer(tmp, name, worker="diloco_worker.py", **spec)
+
+
+def finish_all(boot: Bootstrap, peers: list[Peer], timeout: float = 150) -> list[dict]:
+    """Each peer's final record, in order; then every peer and the bootstrap peer stopped, whatever happened."""
+    try:
+        return [peer.finish(timeout=timeout) for peer in peers]
+    finally:
+        for peer in peers:
+            stop(peer.process)
+        boot.stop()
 
 
 def syncs(peer: Peer) -> dict[int, dict]:
@@ -205,12 +215,7 @@ def test_exact_outer_steps_between_two_peers(tmp_path, workdir, overlap):
               "diloco": {"compression": "none", "overlap": overlap}}  # fmt: skip
     peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, report_to=["tensorboard"], logging_steps=1, **common),
              start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     # they start together from the same weights: the one that started second downloads nothing
     same = [peer.name for peer in peers if "the same as this peer's: nothing to download" in peer.log()]
     assert len(same) == 1, same
@@ -254,12 +259,7 @@ def test_streaming_fragments_sync_in_turn_each_with_its_own_outer_step(tmp_path,
               "diloco": {"compression": "none", "fragments": 2, "overlap": overlap}}  # fmt: skip
     peers = [start_diloco_peer(tmp_path, "a", toy_grad=1.0, **common),
              start_diloco_peer(tmp_path, "b", toy_grad=3.0, **common)]  # fmt: skip
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     first, second = nesterov_values([0.4, 0.8]), nesterov_values([0.8, 0.8])
     # outer step s -> (w's value, the other tensor's) after s syncs
     expected = {1: (first[0], 0.0), 2: (first[0], second[0]), 3: (first[1], second[0]), 4: (first[1], second[1])}
@@ -336,12 +336,7 @@ def test_lora_only_adapters_travel(tmp_path, workdir):
               "inner_steps": 3, "max_steps": 9, "lr": 1e-2, "lora": True, "save_final": True,
               "opt": {"min_peers": 2}}  # fmt: skip
     peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b")]
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     final_a, final_b = (torch.load(peer.out / "final.pt") for peer in peers)
     initial = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()
     adapters = [name for name in final_a if "lora_" in name]
@@ -374,12 +369,7 @@ def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
               "inner_steps": 3, "max_steps": 12, "lr": 1e-2, "lora": True, "save_final": True,
               "download_at_start": False, "opt": {"min_peers": 2}}  # fmt: skip
     peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b")]
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     records = [syncs(peer) for peer in peers]
     assert records[0][0]["outer_sha256"] != records[1][0]["outer_sha256"]  # they did start apart
     assert sorted(done["syncs"]["diverged"] for done in dones) == [0, 1], dones
@@ -433,17 +423,13 @@ def test_a_peer_counted_in_a_round_it_failed_downloads_its_result(tmp_path, work
     every sync. (Before, b took its own step and a the partial round's: apart until the next sync, seen in CI.)"""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_failed_round", "initial_peers": boot.initial_peers,
-              "batch_size": 2, "inner_steps": 4, "max_steps": 16, "sleep_per_step": 0.1}  # fmt: skip
+              "batch_size": 2, "inner_steps": 4, "max_steps": 16, "sleep_per_step": 0.1,
+              "opt": {"min_peers": 2}}  # fmt: skip
     peers = [
         start_diloco_peer(tmp_path, "a", **common),
         start_diloco_peer(tmp_path, "b", fail_round_at_sync=2, **common),
     ]
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     for done in dones:
         assert done["global_step"] == 16 and done["outer_step"] == 4, done
     assert dones[0]["syncs"] == {"averaged": 4, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, dones[0]
@@ -470,12 +456,7 @@ def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, wor
     a = start_diloco_peer(tmp_path, "a", fail_sync_at=2, signal_sync_at=3, signal_file=at_sync_3, **common)
     b, c = (start_diloco_peer(tmp_path, name, hold_sync_at=2, hold_until=at_sync_3, **common) for name in ("b", "c"))
     peers = [a, b, c]
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     assert Path(at_sync_3).exists()  # the event happened: b and c averaged outer step 2 only after it
     for done in dones:
         assert done["global_step"] == 24 and done["outer_step"] == 6, done
@@ -530,12 +511,7 @@ def test_synchronous_mode_logs_averaging_bytes(tmp_path, workdir):
               "target": 4, "max_steps": 3, "toy_grad": 1.0, "sleep_per_step": 0.2,
               "opt": {"min_peers": 2, "average_state_every": 1}}  # fmt: skip
     peers = [start_peer(tmp_path, name, **common) for name in ("a", "b")]
-    try:
-        dones = [peer.finish(timeout=150) for peer in peers]
-    finally:
-        for peer in peers:
-            stop(peer.process)
-        boot.stop()
+    dones = finish_all(boot, peers)
     for peer, done in zip(peers, dones, strict=True):
         logs = [ast.literal_eval(line) for line in peer.log().splitlines() if "'averaging_bytes_sent'" in line]
         assert logs, peer.log()[-2000:]
