@@ -167,17 +167,23 @@ class PeerProgress:
         if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in floats):
             return None
         revert_id, syncing = value.get("revert_id", 0), value.get("syncing", False)
-        if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int or type(syncing) is not bool:
+        sync_failed = value.get("sync_failed", False)
+        if ints[2] < 1 or floats[0] < 0 or type(revert_id) is not int:
             return None
-        digest, sync_failed = value.get("outer_digest", ""), value.get("sync_failed", False)
-        if type(sync_failed) is not bool:
+        if type(syncing) is not bool or type(sync_failed) is not bool:
             return None
+        digest = value.get("outer_digest", "")
         if type(digest) is not str or len(digest) > 32 or digest.strip("0123456789abcdef"):
             return None
         outer_step, inner_done, inner_steps, samples = ints
         steps_per_second, at, started = (float(x) for x in floats)
         rates = (steps_per_second, at, started)
         return cls(peer, outer_step, inner_done, inner_steps, samples, *rates, revert_id, syncing, digest, sync_failed)
+
+    @property
+    def at_sync_point(self) -> bool:
+        """At its sync point of `outer_step`, or ([overlap]) syncing it in the background."""
+        return self.inner_done >= self.inner_steps or self.syncing
 
     def eta(self, outer_step: int | None = None) -> float:
         """DHT time by which this peer should reach the sync point of `outer_step` (default: of its own outer step),
@@ -668,8 +674,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     return
                 in_round = [
                     r for r in others
-                    if r.outer_step == self.outer_step and self._same_state(r) and not r.sync_failed
-                    and (r.inner_done >= r.inner_steps or r.syncing)
+                    if r.outer_step == self.outer_step and self._same_state(r) and not r.sync_failed and r.at_sync_point
                 ]  # fmt: skip
                 if not in_round:
                     return
@@ -827,7 +832,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _swarm_at_sync_point(self, outer_step: int) -> bool:
         at_step = [r for r in self._others().values() if r.outer_step == outer_step]
-        return any(r.inner_done >= r.inner_steps or r.syncing for r in at_step)  # ([overlap] syncing: in flight)
+        return any(r.at_sync_point for r in at_step)
 
     def _follow_sync_in_flight(self) -> None:
         """[overlap] A joiner: follow the swarm's sync of this outer step, which began before it arrived (see
