@@ -31,7 +31,7 @@ import psutil
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from peer_spec import DiLoCoPeerSpec
-from peer_worker import build_model, corrupt_, eval_loss
+from peer_worker import build_model, corrupt_, debug_logging, eval_loss
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
@@ -211,6 +211,7 @@ def inject_sync_events(spec: dict) -> None:
 
 def main(spec_path: str) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck peer)
+    debug_logging()
     spec = DiLoCoPeerSpec.model_validate_json(Path(spec_path).read_text()).model_dump(exclude_unset=True)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)

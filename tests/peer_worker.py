@@ -259,8 +259,9 @@ def build_model(spec: dict):
     return model
 
 
-def main(spec_path: str) -> int:
-    if os.environ.get("TRAHIV_TEST_DEBUG"):  # trahiv's DEBUG lines in the peer's log (shares, holds, step timings)
+def debug_logging() -> None:
+    """With TRAHIV_TEST_DEBUG set, trahiv's DEBUG lines go to the peer's log (shares, holds, step timings)."""
+    if os.environ.get("TRAHIV_TEST_DEBUG"):
         import logging
 
         handler = logging.StreamHandler()
@@ -268,6 +269,10 @@ def main(spec_path: str) -> int:
         logging.getLogger("trahiv").addHandler(handler)
         logging.getLogger("trahiv").setLevel(logging.DEBUG)
         logging.getLogger("trahiv").propagate = False
+
+
+def main(spec_path: str) -> int:
+    debug_logging()
     parsed = PeerSpec.model_validate_json(Path(spec_path).read_text())
     spec = {**parsed.model_dump(exclude_unset=True), "faults": [fault.model_dump() for fault in parsed.faults]}
     out = Path(spec["out"])

@@ -460,14 +460,17 @@ def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, wor
     assert Path(at_sync_3).exists()  # the event happened: b and c averaged outer step 2 only after it
     for done in dones:
         assert done["global_step"] == 24 and done["outer_step"] == 6, done
-        assert done["syncs"]["alone"] == 0 == done["syncs"]["missed"], done
-    done_a, *others = dones
-    assert done_a["syncs"]["failed"] == 1 and done_a["syncs"]["diverged"] == 1, done_a
-    for done in others:
-        assert done["syncs"] == {"averaged": 6, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, done
     records = [syncs(peer) for peer in peers]
+    # The story starts at outer step 2, where all three must hold the same weights; its syncs are counted from there.
+    # (Before it, under CPU load, the swarm's first round was at times partial, or one peer's first search failed,
+    # and that peer then downloaded the others' outer state, as designed: 3 of the last 5 clean-clone and CI runs.)
+    at_2 = [r[2] for r in records]
+    assert at_2[0]["sha256"] == at_2[1]["sha256"] == at_2[2]["sha256"], [r["syncs"] for r in at_2]
+    story = [{k: n - r["syncs"][k] for k, n in done["syncs"].items()} for done, r in zip(dones, at_2, strict=True)]
+    assert story[0] == {"averaged": 3, "alone": 0, "failed": 1, "missed": 0, "diverged": 1}, story
+    assert story[1] == story[2] == {"averaged": 4, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, story
     assert records[0][3]["outer_sha256"] != records[1][3]["outer_sha256"]  # a's own outer step 2, not theirs
-    for step in (1, 2, 4, 5, 6):
+    for step in (4, 5, 6):
         assert records[0][step]["sha256"] == records[1][step]["sha256"] == records[2][step]["sha256"], step
 
 
