@@ -463,7 +463,7 @@ def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, wor
     records = [syncs(peer) for peer in peers]
     # The story starts at outer step 2, where all three must hold the same weights; its syncs are counted from there.
     # (Before it, under CPU load, the swarm's first round was at times partial, or one peer's first search failed,
-    # and that peer then downloaded the others' outer state, as designed: 3 of the last 5 clean-clone and CI runs.)
+    # and that peer then downloaded the others' outer state, as designed: 3 of stop 39's 7 clean-clone and CI runs.)
     at_2 = [r[2] for r in records]
     assert at_2[0]["sha256"] == at_2[1]["sha256"] == at_2[2]["sha256"], [r["syncs"] for r in at_2]
     story = [{k: n - r["syncs"][k] for k, n in done["syncs"].items()} for done, r in zip(dones, at_2, strict=True)]
