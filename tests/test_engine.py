@@ -425,14 +425,28 @@ def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_ba
         assert optimizer.grad_averager.local_samples_accumulated == 4
 
 
-def test_in_background_mode_a_step_is_declared_once_its_update_is_applied():
+def test_in_background_mode_a_step_is_declared_once_its_update_is_applied(monkeypatch):
     """Background mode (`delay_optimizer_step`): the state a peer offers is declared at the new step once the update
     that makes it is applied, not as the step's round begins (hivemind's): other peers read "a peer serves a state of
-    the swarm's step" as "that step's round is over" (`_missed_the_round`). The update is held at a gate here."""
+    the swarm's step" as "that step's round is over" (`_missed_the_round`). The update is held at a gate here. Not
+    even for a moment: hivemind's setter (which sends the value to the averager process that declares it) never saw
+    step 1 before the update was applied (it did, set back at once, and another peer read it: run BC)."""
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    declared: list[float] = []  # every value hivemind's setter got for the state averager
+    hivemind_priority, averagers = DecentralizedAverager.state_sharing_priority, []
+
+    def spy(self: Any, value: float) -> None:
+        if self in averagers:
+            declared.append(value)
+        hivemind_priority.fset(self, value)
+
+    monkeypatch.setattr(DecentralizedAverager, "state_sharing_priority", property(hivemind_priority.fget, spy))
     with lone_peer("declare", target=2, batch=1, delay_optimizer_step=True) as (swarm, optimizer, param):
         swarm.catch_up()
         averager, gate = optimizer.state_averager, threading.Event()
         step = averager.optimizer.step
+        averagers.append(averager)
 
         def gated(*args: Any, **kwargs: Any) -> Any:
             assert gate.wait(timeout=30)
@@ -443,11 +457,12 @@ def test_in_background_mode_a_step_is_declared_once_its_update_is_applied():
         feed(optimizer, param, 1)  # the step is due: the transition, its update in the background
         assert optimizer.local_epoch == 1
         assert averager.state_sharing_priority < 1, "step 1 declared before its update was applied"
+        assert all(value < 1 for value in declared), declared
         gate.set()
         for update in list(averager.pending_updates):
             update.result(timeout=30)
         feed(optimizer, param, 1)  # the next local step declares it
-        assert 1 <= averager.state_sharing_priority < 2
+        assert 1 <= averager.state_sharing_priority < 2 and 1 <= declared[-1] < 2
 
 
 def test_a_served_state_carries_the_step_of_its_parameters():

@@ -18,6 +18,7 @@ they came from (hivemind 1.1.12).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
@@ -458,6 +459,7 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         self._updates = threading.Condition()  # guards _updates_due; notified as an update ends
         self._updates_due = 0  # updates (optimizer step, parameter round) asked for by step() and not yet ended
         self.serve_wait: float | None = None  # seconds a state download waits for them (None: half a chunk's timeout)
+        self._priority_held = False  # (see priority_held)
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any, **kwargs: Any) -> None:
@@ -480,6 +482,31 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
             if not set(self.pending_updates) - known:  # raised before handing the update over: it never runs
                 self._update_ended()
             raise
+
+    def _set_state_sharing_priority(self, value: float) -> None:
+        """hivemind's setter (it declares the value for download), ignored inside `priority_held()`. hivemind's
+        Optimizer declares the new step as its transition begins (`Optimizer._update_global_epoch`), before a
+        background update is applied; SwarmOptimizer holds the priority through the transition and declares the step
+        itself once its update is applied (`_declare_once_applied`). Set back at once, the new step was still declared
+        for a moment: the other peer read it (0.1 s after the transition), took the step's round for over while it
+        still ran, left it and downloaded a state without the step's update (test_swarm.py's background test, run
+        BC)."""
+        if not self._priority_held:
+            DecentralizedAverager.state_sharing_priority.fset(self, value)  # type: ignore[attr-defined]
+
+    state_sharing_priority = property(
+        DecentralizedAverager.state_sharing_priority.fget,  # type: ignore[attr-defined]
+        _set_state_sharing_priority,
+    )
+
+    @contextlib.contextmanager
+    def priority_held(self) -> Iterator[None]:
+        """hivemind's writes of `state_sharing_priority` are ignored meanwhile (`_set_state_sharing_priority`)."""
+        self._priority_held = True
+        try:
+            yield
+        finally:
+            self._priority_held = False
 
     def _do(self, *args: Any, **kwargs: Any) -> Any:
         try:

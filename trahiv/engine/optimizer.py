@@ -621,7 +621,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._stepped_alone = self._left_behind = False
         rounds_began = time.monotonic()
         try:
-            super()._update_global_epoch(grad_scaler)
+            with self.state_averager.priority_held():  # this peer declares the new step itself (_declare_once_applied)
+                super()._update_global_epoch(grad_scaler)
         finally:
             self._last_transition_s = time.monotonic() - rounds_began  # (its averaging rounds: see _contributions)
             self._step_began = get_dht_time()
@@ -699,13 +700,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         round is over" (`_missed_the_round`) then held while that round still ran, and the last peer to a step's
         group gave its round up as the group assembled and downloaded a state that did not hold the step's update yet
         (test_swarm.py's background test, a clean-clone run: both peers ended an update short). Until then the state
-        this peer holds is declared, as before the transition."""
+        this peer holds stays declared (hivemind's declaration at the transition is held back: `priority_held`)."""
         self._declare_if_applied()
         in_flight = {update for update in list(self.state_averager.pending_updates) if not update.done()}
         if not (self.delay_optimizer_step and in_flight):
             return self._declare_state(complete=complete)
-        if not self.client_mode:  # (hivemind declared the new step at the transition)
-            self.state_averager.state_sharing_priority = self._declared
         self._deferred_declaration = (self.local_epoch, complete, in_flight)
 
     def _declare_if_applied(self) -> None:
