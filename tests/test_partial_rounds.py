@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
 import multiprocessing as mp
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -297,8 +299,12 @@ def test_the_sender_closes_the_stream_once_it_has_every_part(tmp_path, hivemind_
         assert all(end["linger"] < 0.5 * end["timeout"] for end in ends), ends
 
 
-def test_broken_stream_is_reported_partial_and_keeps_local_values():
+def test_broken_stream_is_reported_partial_and_keeps_local_values(capfd):
     with ExitStack() as stack:
+        # the averager processes (forked) write trahiv's warnings to stderr, where capfd reads them
+        handler = logging.StreamHandler(sys.stderr)
+        logging.getLogger("trahiv.averaging").addHandler(handler)
+        stack.callback(logging.getLogger("trahiv.averaging").removeHandler, handler)
         seconds, _, reports, averagers = run_round(stack, [Fault.BREAK_STREAM, Fault.NONE, Fault.NONE])
         assert max(seconds) < 20, seconds
         ids = [a.peer_id.to_base58() for a in averagers]
@@ -315,6 +321,10 @@ def test_broken_stream_is_reported_partial_and_keeps_local_values():
         reducer_report = reports[victim][-1]
         assert reducer_report.status == "partial" and ids[0] in reducer_report.missing_senders, reducer_report
         assert averagers[0].round_counts["complete"] == 0
+        # the sender says so as its stream breaks (hivemind's writing task failed silently: the reducer's deadline
+        # was the first sign)
+        victim_id = broken.peers[(broken.peers.index(ids[0]) + 1) % 3]
+        assert f"Sending parts to {victim_id} failed after 1 of " in capfd.readouterr().err
 
 
 def test_peer_stalled_in_the_group_costs_seconds_not_the_allreduce_timeout():

@@ -205,9 +205,21 @@ class RobustAllReduceRunner(AllReduceRunner):
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
             return deserialize_torch_tensor(message.tensor_part)
 
+        async def parts_to_send() -> AsyncIterator[averaging_pb2.AveragingData]:
+            # hivemind writes them from a task of its own whose failure nobody sees until the exchange ends (the
+            # reducer, missing parts, bans this peer at its deadline): say so as it happens
+            sent = 0
+            try:
+                async for message in self._generate_input_for_peer(peer_index):
+                    yield message
+                    sent += 1
+            except Exception as e:
+                logger.warning(f"Sending parts to {peer_id} failed after {sent} of {expected}: {e!r}")
+                raise
+
         try:
             done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            inputs = attach_event_on_finished(parts_to_send(), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
