@@ -7,14 +7,15 @@ For each swarm size N, N peers start, each its own OS process built the way a Tr
 Swarm from a HivemindConfig with the Trainer's defaults: DHT, progress tracker, metrics publishing, state and gradient
 averagers), joined through the first peer; P float32 parameters (default 262,144) so that 16 peers fit in memory. Then:
 
-- idle: every peer joined and ready to train (the Trainer's start: mark_ready, wait_for_peers, catch_up), not
-  training, for --idle-s seconds: CPU seconds per second of each peer's process tree (its Python process, its DHT
-  process and p2pd, its averager processes), measured from outside with psutil, and the DHT messages (RPCs its DHT
-  node sent and answered: ping, store, find; trahiv.engine.dht_stats) per second;
-- rounds: the peers train --steps collaborative steps (target_batch_size = N x the local batch: one local batch per
-  peer and step; "compute" is a --compute-s sleep, a GPU's forward and backward) and publish their model record and
-  metrics as the Trainer does after each step: CPU seconds and DHT messages per peer and collaborative step, the
-  step's wall time, and the averaging rounds' reports (complete / partial / failed).
+- idle: every peer joined and ready to train (the Trainer's start: mark_ready, wait_for_peers), not training, for
+  --idle-s seconds: CPU seconds per second of each peer's process tree (its Python process, its DHT process and p2pd,
+  its averager processes), measured from outside with psutil, and the DHT messages (RPCs its DHT node sent and
+  answered: ping, store, find; trahiv.engine.dht_stats) per second;
+- rounds: training begins (catch_up, as the Trainer's once the peers are ready), the peers train --steps
+  collaborative steps (target_batch_size = N x the local batch: one local batch per peer and step; "compute" is a
+  --compute-s sleep, a GPU's forward and backward) and publish their model record and metrics as the Trainer does
+  after each step: CPU seconds and DHT messages per peer and collaborative step, the step's wall time, the averaging
+  rounds' reports (complete / partial / failed) and the swarm's samples over the steps' targets.
 
 CPU is broken down by process (main, dht, p2pd, averagers, other), and the DHT requests that cause the messages by
 key (the progress record, the averagers' matchmaking keys, ...), so that what grows with N shows. 16 peers that join
@@ -149,7 +150,6 @@ def worker(spec: dict) -> None:
         if spec["keepalive_s"] > 0:  # see --keepalive-s
             threading.Thread(target=announce_until, args=(swarm, keepalive, spec["keepalive_s"]), daemon=True).start()
         swarm.wait_for_peers()
-        swarm.catch_up()
         engine = {"dht": [swarm.dht.pid], "averagers": [p.pid for p in swarm.engine_processes() if p is not swarm.dht]}
         emit("ready", pids=engine, step=optimizer.local_epoch, client_mode=swarm.dht.client_mode,
              parameters=sum(p.numel() for p in params))  # fmt: skip
@@ -160,6 +160,7 @@ def worker(spec: dict) -> None:
                 emit("counts", counts=dht_stats.dht_message_counts(swarm.dht),
                      requests=dht_stats.dht_request_counts(swarm.dht))  # fmt: skip
             elif command["cmd"] == "train":
+                swarm.catch_up()  # training begins, as the Trainer's begins once min_peers are ready (not before idle)
                 keepalive.set()  # from the first local step on, hivemind's reporter refreshes the record
                 marks = train(swarm, optimizer, params, grads, spec, engine)
                 emit("trained", marks=marks, metrics=swarm.metrics(), samples=optimizer.samples_contributed)
@@ -411,6 +412,8 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
         "step_s_median": round(statistics.median(step_times), 2) if step_times else None,
         "rounds_complete": rounds["complete"],
         "rounds": rounds,
+        # the swarm's samples over the --steps steps' targets (N x --batch each): 1.0 is no sample computed past them
+        "samples_over_target": round(sum(out["samples"] for out in trained) / (args.steps * n * args.batch), 3),
         "all_peers_reached_steps": reached == n,
         "all_rounds_complete": reached == n and rounds["partial"] == rounds["failed"] == 0,
         "idle": {

@@ -352,13 +352,13 @@ class Swarm:
     def catch_up(self) -> bool:
         """Download the swarm's state if other peers are training; return True if state was loaded. A swarm still at
         its first step starts from the weights of the peer that was ready first (`_start_together`). Training begins
-        after it: this peer's throughput is measured from then on."""
+        after it (`SwarmOptimizer.begin_training`)."""
         if self.optimizer is None:
             raise RuntimeError("catch_up() needs the optimizer: call make_optimizer() first")
         try:
             return self._catch_up()
         finally:
-            self.optimizer.tracker.start_measuring()
+            self.optimizer.begin_training()
 
     def _catch_up(self) -> bool:
         assert self.optimizer is not None

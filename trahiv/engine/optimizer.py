@@ -380,7 +380,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._hold_released: int | None = None  # the step in which waiting for the others' reports gave up
         self._last_batch = 0  # samples in this peer's last accumulated batch
         self._last_transition_s = 0.0  # seconds this peer's last step transition (its averaging rounds) took
-        self._step_began = 0.0  # DHT time at which this peer's current step began (its last transition ended)
+        self._step_began = 0.0  # DHT time at which this peer's current step began (its last transition, or training)
         self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
         self._resync_epoch: int | None = None  # the step whose state differs from the swarm's, until re-synced
         self._next_resync = 0.0
@@ -582,6 +582,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         """The step is about to be complete, whatever hivemind's ETA says: look for this step's group now."""
         if not self._live_round(self.scheduled_grads):
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+
+    def begin_training(self) -> None:
+        """Training begins now (`Swarm.catch_up`): this peer's throughput is measured from here
+        (`SwarmProgressTracker.start_measuring`), and its first step begins here, so the others' silence is counted
+        from here at the earliest (`_fresh_records`). Counted from their records alone, the peers that had announced
+        themselves long before (joining, waiting for `min_peers`, an idle start) were taken for gone at the first step:
+        each peer's share was the whole target, and 16 peers computed 564 samples for a first step of 64
+        (benchmarks/swarm_cost.py)."""
+        self.tracker.start_measuring()
+        self._step_began = get_dht_time()
 
     def _key_rounds_by_step(self) -> None:
         """Matchmaking of this step's rounds is keyed by the step (see EpochKeyedMatchmaking): the gradient round that
