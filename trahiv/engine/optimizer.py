@@ -133,7 +133,6 @@ class SwarmProgressTracker(ProgressTracker):
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
-        self.read_s = 0.0  # how long that read took in the DHT (SwarmOptimizer._hold_at_share paces its reads by it)
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
         self._pings: dict[bytes, tuple[float, float, Any]] = {}  # peer -> (record time, when pinged, future): `_gone`
         super().__init__(*args, **kwargs)
@@ -234,9 +233,7 @@ class SwarmProgressTracker(ProgressTracker):
     def refresh_now(self) -> None:
         """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
         with self.lock_global_progress:
-            began = time.monotonic()
             found = self.dht.get(self.training_progress_key, latest=True)
-            self.read_s = time.monotonic() - began
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
             self.read_at = time.monotonic()
 
@@ -542,10 +539,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         settled, last_seen, target = 0, None, tracker.target_batch_size
         with tracker.performance_ema.pause():  # waiting is not this peer's throughput
             while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
-                # reading at most half the time: where a read takes long (16 peers on 2 cores), reads every
-                # PROGRESS_RECHECK_PERIOD kept the DHT processes, the others' too, busy (benchmarks/swarm_cost.py:
-                # 10.6-11.2 reads a step, 0.89-0.92 CPU-s per peer and step; paced 4.2-4.4 and 0.54)
-                time.sleep(max(PROGRESS_RECHECK_PERIOD, tracker.read_s))
+                time.sleep(PROGRESS_RECHECK_PERIOD)
                 tracker.refresh_now()
                 seen = self._contributions()
                 reported = {c.peer: c.samples for c in seen}
