@@ -334,7 +334,10 @@ def test_at_the_first_step_the_others_are_counted_as_present_from_the_start_of_t
             counted = {c.peer for c in optimizer._contributions()}
             assert (tracker.active_peers[peer].peer_id in counted) == from_training, counted
         finally:
-            process.communicate(timeout=30)
+            try:
+                process.communicate(timeout=30)  # its stdin closed: it leaves
+            finally:
+                process.kill()  # (if it did not)
 
 
 @pytest.mark.parametrize("skip_first", [True, False], ids=["trahiv", "hivemind"])
