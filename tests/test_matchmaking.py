@@ -1,5 +1,6 @@
 """Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6);
-a follower whose step's deadline passes while its leader assembles the group still gets the group (10).
+a follower whose step's deadline passes while its leader assembles the group, or while the leader's answer to its join
+request is on its way, still gets the group (10).
 
 Three averagers in their own processes on loopback: a leader and two followers in client mode. The leader holds its
 first answer to one follower 1.5 s, longer than the followers' request_timeout (1 s); the other follower joins at once.
@@ -166,5 +167,72 @@ def test_without_the_fix_the_follower_gives_up_as_its_group_assembles():
             results, tensors = run_late_assembly(stack)
     finally:
         Matchmaking.look_for_group = patched
+    assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
+    assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
+
+
+# --- 10. ... also when the leader's answer to the join request is on its way as the search ends -----------------------
+
+ANSWER_REQUEST_TIMEOUT_S = 5.0  # the averagers' request_timeout: the answer (sent 0.5 s after the deadline) is in time
+
+
+def late_answering_leader(hold_until: Any) -> type[ReportingAverager]:
+    class LateAnsweringLeader(ReportingAverager):
+        """Accepts the follower at once (its group, of target size 2, assembles as the answer goes out) but the answer
+        leaves only at `hold_until`: a busy machine's event loops and daemons between the two."""
+
+        async def rpc_join_group(
+            self, request: averaging_pb2.JoinRequest, context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+            async for message in super().rpc_join_group(request, context):
+                if message.code == averaging_pb2.ACCEPTED:
+                    await asyncio.sleep(max(0.0, hold_until.value - time.time()))
+                yield message
+
+    return LateAnsweringLeader
+
+
+def run_late_answer(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """A leader (declares 3 s, target group size 2) and a client-mode follower (its step: 4 s) that asks it to lead;
+    the leader's ACCEPTED reaches the follower 0.5 s after its deadline. Returns the step results and the tensors."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    hold_until = mp.Value("d", 0.0)
+    common = dict(prefix="late_answer", min_group_size=2, target_group_size=2, start=True,
+                  request_timeout=ANSWER_REQUEST_TIMEOUT_S)  # fmt: skip
+    averagers = [
+        late_answering_leader(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
+        ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
+    ]
+    for averager in averagers:
+        stack.callback(averager.shutdown)
+    hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
+    results, _ = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
+    tensors = []
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            tensors.append(tensor.clone())
+    return results, tensors
+
+
+def test_a_follower_whose_deadline_passes_before_the_leaders_answer_gets_the_group():
+    with ExitStack() as stack:
+        results, tensors = run_late_answer(stack)
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+
+
+def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way():
+    """The control: hivemind's join request, which trahiv's does not mark as awaiting its answer: the grace as it was
+    (only for an averager already accepted, or leading), the same timing."""
+    patched = Matchmaking._request_join_group
+    Matchmaking._request_join_group = patched.__wrapped__  # the averager processes fork with hivemind's
+    try:
+        with ExitStack() as stack:
+            results, tensors = run_late_answer(stack)
+    finally:
+        Matchmaking._request_join_group = patched
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values

@@ -45,7 +45,10 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    then (or a leader with followers, about to assemble). The leader counts it in, sends it the group, and runs the
    all-reduce without its part; it reports no group (seen in `benchmarks/diloco.py`, about once in 120 syncs of 4
    peers on 2 busy cores: the others' round partial, 28.6% of the values unaveraged, the peer that gave up on its
-   own). Such an averager now waits up to `request_timeout` more for that group (tests/test_matchmaking.py).
+   own). Such an averager now waits up to `request_timeout` more for that group, and so does one whose join request
+   still awaits its answer (its leader may have accepted it and assembled at once: a DiLoCo peer in clean-clone run
+   BH, 2026-11-28, gave up its search while its group averaged for 10 s without its part), once more if it is
+   accepted in that time (tests/test_matchmaking.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -428,6 +431,8 @@ def _keep_epoch_keys() -> None:
 
 
 def _retry_late_leaders() -> None:
+    import asyncio
+
     from hivemind.averaging.matchmaking import Matchmaking
     from hivemind.utils.timed_storage import get_dht_time
 
@@ -437,7 +442,15 @@ def _retry_late_leaders() -> None:
 
     async def _request_join_group(self, leader):  # type: ignore[no-untyped-def]
         began = time.monotonic()
-        group = await original(self, leader)
+        # (while its answer is awaited, fix 10 keeps the search open past its deadline: see _wait_for_assembly)
+        answered = asyncio.get_running_loop().create_future()
+        in_flight = self.__dict__.setdefault("_trahiv_join_requests", set())
+        in_flight.add(answered)
+        try:
+            group = await original(self, leader)
+        finally:
+            in_flight.discard(answered)
+            answered.set_result(None)
         if group is None and time.monotonic() - began >= self.request_timeout:
             # no first answer within request_timeout (or a group that did not form after a long wait): not a refusal.
             # The leader goes back to the queue with the expiration it declared, to be asked again at once while that
@@ -501,10 +514,8 @@ def _finish_groups_in_assembly() -> None:
             request_leaders_task = asyncio.create_task(self._request_join_potential_leaders(step))
             try:
                 done, _ = await asyncio.wait({self.assembled_group}, timeout=step.get_timeout())
-                if not done and (self.current_leader is not None or self.current_followers):
-                    # accepted by a leader (or leading followers): the group may be assembling right now
-                    logger.debug(f"{self} - the step's deadline passed during assembly: waiting for the group")
-                    done, _ = await asyncio.wait({self.assembled_group}, timeout=self.request_timeout)
+                if not done:
+                    done = await _wait_for_assembly(self)
                 return self.assembled_group.result() if done else None
 
             except BaseException as e:
@@ -525,6 +536,27 @@ def _finish_groups_in_assembly() -> None:
                 # note: the code above ensures that we send all followers away before creating new future
                 self.assembled_group = asyncio.Future()
                 self.was_accepted_to_group.clear()
+
+    async def _wait_for_assembly(self) -> bool:  # type: ignore[no-untyped-def]
+        """After the step's deadline: whether the group assembled within the grace. The grace lasts while this averager
+        is accepted by a leader, leads followers, or awaits a leader's answer to its join request (the leader may have
+        accepted it and assembled at once, the group then already counting it in): `request_timeout`, once more if it
+        was accepted during the first (its leader then assembles at the latest when its declaration, which ends before
+        this averager's, runs out)."""
+        grace_end = time.monotonic() + self.request_timeout
+        accepted = self.current_leader is not None
+        logger.debug(f"{self} - the step's deadline passed: waiting for a group in assembly, if any")
+        while not self.assembled_group.done():
+            in_flight = getattr(self, "_trahiv_join_requests", set())
+            if self.current_leader is None and not self.current_followers and not in_flight:
+                return False  # nothing under way: no group can count this averager in
+            if not accepted and self.current_leader is not None and time.monotonic() >= grace_end:
+                grace_end, accepted = time.monotonic() + self.request_timeout, True  # accepted during the grace
+            left = grace_end - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.wait({self.assembled_group, *in_flight}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return True
 
     look_for_group._trahiv_finish_groups = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "look_for_group", look_for_group)
