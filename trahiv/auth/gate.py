@@ -9,6 +9,7 @@ of all three RPCs:
 - a join request from a peer without a valid token is answered PROTOCOL_VIOLATION (the follower looks elsewhere);
 - a part for aggregation from such a peer is answered PROTOCOL_VIOLATION and never reaches the reducer;
 - a state download request from such a peer gets no data (the engine's way to say "ask another peer");
+- a state download is never asked of such a peer (the next source is);
 - before an all-reduce, every member of the group must hold a valid token, or this peer leaves the round.
 
 A ban takes effect when the banned peer's token expires: the server refuses to renew it, and the gate stops accepting
@@ -113,8 +114,11 @@ class AuthGate:
         for peer_id in [p for p, i in self._tokens.items() if i.expires_at <= now]:
             del self._tokens[peer_id]
 
-    def warn_refused(self, peer_id: PeerID, what: str) -> None:
+    def warn_refused(self, peer_id: PeerID, what: str, source: bool = False) -> None:
+        """Warn (once per WARN_PERIOD for the peer and `what`) that `what` from `peer_id` was refused (`source`: that
+        this peer refused `what` from it, as a state download source)."""
         now = time.monotonic()
         if now - self._warned.get((peer_id, what), -float("inf")) >= WARN_PERIOD:
             self._warned[(peer_id, what)] = now
-            logger.warning(f"Refused {what} from peer {peer_id}: it holds no valid access token for this run")
+            action = f"Did not download {what} from peer {peer_id}" if source else f"Refused {what} from peer {peer_id}"
+            logger.warning(f"{action}: it holds no valid access token for this run")

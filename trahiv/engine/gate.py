@@ -1,7 +1,8 @@
 """The auth gate in front of an averager's RPCs (`gated`): the engine side of `trahiv.auth.gate.AuthGate`.
 
 Overrides hivemind 1.1.12's averaging RPC handlers (`DecentralizedAverager.rpc_join_group`, `rpc_aggregate_part`,
-`rpc_download_state`) and `_run_allreduce_inplace_`; what counts as a valid token is the gate's business.
+`rpc_download_state`) and `_run_allreduce_inplace_`, and trahiv's state download from one peer
+(`CheckedStateDownload._download_state_from`); what counts as a valid token is the gate's business.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ class _Gated:
             return
         async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
             yield message
+
+    async def _download_state_from(self, peer: PeerID, timeout: float | None) -> Any:
+        """A state download (CheckedStateDownload) reads only peers that hold a valid token: a banned peer, whose
+        token expired, stays in the DHT's list of state sources until its entry expires, and served its own state to
+        whoever picked it (the next source is asked instead)."""
+        if await self.auth_gate.check(self.dht, peer) is None:
+            self.auth_gate.warn_refused(peer, "the state", source=True)
+            return None
+        return await super()._download_state_from(peer, timeout)  # type: ignore[misc]
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[Any], group_info: Any, **kwargs: Any) -> None:
         refused = []
