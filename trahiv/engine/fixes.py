@@ -547,7 +547,7 @@ def _finish_groups_in_assembly() -> None:
         accepted = self.current_leader is not None
         logger.debug(f"{self} - the step's deadline passed: waiting for a group in assembly, if any")
         while not self.assembled_group.done():
-            in_flight = getattr(self, "_trahiv_join_requests", set())
+            in_flight: set[Any] = getattr(self, "_trahiv_join_requests", set())
             if self.current_leader is None and not self.current_followers and not in_flight:
                 return False  # nothing under way: no group can count this averager in
             if not accepted and self.current_leader is not None and time.monotonic() >= grace_end:
