@@ -18,7 +18,9 @@ averagers), joined through the first peer; P float32 parameters (default 262,144
   rounds' reports (complete / partial / failed) and the swarm's samples over the steps' targets.
 
 CPU is broken down by process (main, dht, p2pd, averagers, other), and the DHT requests that cause the messages by
-key (the progress record, the averagers' matchmaking keys, ...), so that what grows with N shows. 16 peers that join
+key (the progress record, the averagers' matchmaking keys, ...), and each peer's reads of the progress by the code
+that made them (a peer waiting at its share, hivemind's periodic fetch, a local step), so that what grows with N
+shows. 16 peers that join
 one after another here wait minutes for each other: the first run of this benchmark found that a waiting peer's
 progress record expired after 60 s (hivemind renews it only once the peer has samples) and the peers never all
 counted each other as ready; trahiv's Swarm.wait_for_peers now renews it (--keepalive-s adds renewals). The machine's
@@ -29,6 +31,7 @@ every window: on a 2-core machine 16 peers share two cores, and a busy machine s
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -125,6 +128,7 @@ def worker(spec: dict) -> None:
     from trahiv.engine import dht_stats
 
     dht_stats.install()  # before the Swarm forks its DHT process
+    count_progress_reads()
     from trahiv.swarm import Swarm, join_addresses, model_fingerprint
 
     torch.set_num_threads(1)
@@ -171,6 +175,28 @@ def worker(spec: dict) -> None:
     emit("done")
 
 
+PROGRESS_READS: collections.Counter = collections.Counter()  # (in a worker) the code that read the progress -> reads
+
+
+def count_progress_reads() -> None:
+    """Count this peer's reads of the swarm's progress by the code that made them: hivemind's periodic fetch
+    (`_progress_fetcher`), or the trahiv function that called `refresh_now` (`_hold_at_share`: a peer waiting at its
+    share; `_update_global_epoch`, `_refresh_progress_if_due`: local steps; `_catch_up`)."""
+    from trahiv.engine.optimizer import SwarmProgressTracker
+
+    parse = SwarmProgressTracker._parse_swarm_progress_data
+
+    def counted(self: Any, metadata: Any) -> Any:
+        frame = sys._getframe(1)
+        if frame.f_code.co_name in ("refresh_now", "refresh_if_older"):
+            while frame.f_back is not None and frame.f_code.co_name in ("refresh_now", "refresh_if_older"):
+                frame = frame.f_back
+        PROGRESS_READS[frame.f_code.co_name] += 1
+        return parse(self, metadata)
+
+    SwarmProgressTracker._parse_swarm_progress_data = counted  # type: ignore[method-assign]
+
+
 def announce_until(swarm: Any, stop: threading.Event, period: float) -> None:
     """Publish this peer's progress record every `period` s until `stop`: hivemind's reporter refreshes it only once
     the peer has accumulated samples, so a peer that waits more than the record's 60 s expiration for the others
@@ -188,7 +214,7 @@ def train(swarm: Any, optimizer: Any, params: list, grads: list, spec: dict, eng
         cpu = tree_cpu(os.getpid(), engine)
         return {"step": optimizer.local_epoch, "time": time.monotonic(), "cpu": {str(k): v for k, v in cpu.items()},
                 "counts": dht_stats.dht_message_counts(swarm.dht),
-                "requests": dht_stats.dht_request_counts(swarm.dht)}  # fmt: skip
+                "requests": dht_stats.dht_request_counts(swarm.dht), "reads": dict(PROGRESS_READS)}  # fmt: skip
 
     marks, batch = [mark()], spec["batch"]
     target = optimizer.local_epoch + spec["steps"]
@@ -374,6 +400,7 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
     idle_cpu = [sum(c.values()) / window for c in idle["cpu"]]
     idle_msgs = [m["total"] / window for m in idle["msgs"]]
     per_peer, round_cpu, round_msgs, round_roles, step_times, kinds, requests = [], [], [], [], [], [], []
+    reads: list[dict] = []  # progress reads per step, by the code that made them (count_progress_reads)
     rounds = {"complete": 0, "partial": 0, "failed": 0}
     reached = 0
     for rank, out in enumerate(trained):
@@ -394,6 +421,8 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
             round_roles.append({role: cpu[role] / steps for role in ROLES})
             kinds.append({k: v / steps for k, v in msgs.items()})
             requests.append({k: v / steps for k, v in request_delta(first["requests"], last["requests"]).items()})
+            reads.append({k: (v - first["reads"].get(k, 0)) / steps for k, v in last["reads"].items()
+                          if v > first["reads"].get(k, 0)})  # fmt: skip
         per_peer.append({
             "rank": rank, "idle_cpu_per_s": round(idle_cpu[rank], 4), "idle_dht_msgs_per_s": round(idle_msgs[rank], 2),
             "idle_cpu_by_process_per_s": {k: round(v / window, 4) for k, v in idle["cpu"][rank].items()},
@@ -431,6 +460,7 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
             if kinds
             else None,
             "dht_requests_by_key_mean": mean_by_key(requests, 1.0) if requests else None,
+            "progress_reads_by_caller_mean": mean_by_key(reads, 1.0) if reads else None,
             "step_s": {"min": round(min(step_times), 2), "max": round(max(step_times), 2)} if step_times else None,
         },
         "per_peer": per_peer,
