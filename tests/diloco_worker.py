@@ -207,6 +207,15 @@ def inject_sync_events(spec: dict) -> None:
 
     DiLoCoOptimizer._wait_for_peers = _wait_for_peers  # type: ignore[method-assign]
     DiLoCoOptimizer._average = _average  # type: ignore[method-assign]
+    adopt = DiLoCoOptimizer._adopt_after_a_missed_sync
+
+    def _adopt_after_a_missed_sync(self) -> bool:
+        time.sleep(spec.get("adopt_delay", 0.0))
+        return adopt(self)
+
+    DiLoCoOptimizer._adopt_after_a_missed_sync = _adopt_after_a_missed_sync  # type: ignore[method-assign]
+    if not spec.get("serve_late", True):
+        DiLoCoOptimizer.serve_late_peers = lambda self: None  # type: ignore[method-assign]
 
 
 def main(spec_path: str) -> int:

@@ -98,6 +98,10 @@ class DiLoCoPeerSpec(_Common):
     # the groupmates too (they have every part it reduced): the first moment the round is over for all
     fail_round_at_sync: int | None = Field(None, ge=0)
     crash_round_at_sync: int | None = Field(None, ge=0)
+    # seconds a peer that missed a sync waits before downloading the swarm's result (a slow CPU); False: a peer whose
+    # training ended leaves at once (the behaviour before DiLoCoOptimizer.serve_late_peers, as a control)
+    adopt_delay: float = Field(0.0, ge=0)
+    serve_late: bool = True
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

@@ -440,6 +440,35 @@ def test_a_peer_counted_in_a_round_it_failed_downloads_its_result(tmp_path, work
     assert not differ, [(s, [r[s]["syncs"] for r in records]) for s in range(1, 5)]
 
 
+@pytest.mark.parametrize("serve_late", [True, False], ids=["trahiv", "leaving_at_once"])
+def test_a_peer_that_missed_the_last_sync_downloads_it_before_the_others_leave(serve_late, tmp_path, workdir):
+    """Two peers; b's all-reduce of the last sync fails in a group that counted it in (as when its search ends as the
+    group assembles), and b is slow to download the round's result (3 s, a busy CPU). a's training has ended: it
+    keeps serving its outer state while b is still at its last sync (`serve_late_peers`), and both end identical.
+    Leaving at once (the control), a was gone when b came to download: b took the outer step with its own
+    pseudo-gradient and ended apart (clean-clone run BH, 2026-11-28, at a 3-peer swarm's last sync)."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": f"diloco_last_sync_{serve_late}", "initial_peers": boot.initial_peers,
+              "batch_size": 2, "inner_steps": 4, "max_steps": 12, "sleep_per_step": 0.1, "serve_late": serve_late,
+              "opt": {"min_peers": 2}}  # fmt: skip
+    peers = [
+        start_diloco_peer(tmp_path, "a", **common),
+        start_diloco_peer(tmp_path, "b", fail_round_at_sync=2, adopt_delay=3.0, **common),  # the last sync,
+    ]
+    dones = finish_all(boot, peers)
+    assert dones[0]["syncs"] == {"averaged": 3, "alone": 0, "failed": 0, "missed": 0, "diverged": 0}, dones[0]
+    assert dones[0]["outer_step"] == 3 and dones[1]["outer_step"] == 3, dones
+    records = [syncs(peer) for peer in peers]
+    same_end = records[0][3]["sha256"] == records[1][3]["sha256"]
+    if serve_late:
+        assert dones[1]["syncs"] == {"averaged": 2, "alone": 0, "failed": 1, "missed": 1, "diverged": 0}, dones[1]
+        assert same_end, [r[3]["syncs"] for r in records]
+        assert "serving its outer state to the peers still at their last sync" in peers[0].log()
+    else:
+        assert not same_end  # b could not download: it took the outer step with its own pseudo-gradient
+        assert "Could not download the swarm's outer state" in peers[1].log()
+
+
 def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, workdir):
     """Three peers; a's sync of outer step 2 fails (its search ended as the others' group assembled: they average
     without it), and a takes that outer step with its own pseudo-gradient. b and c are still averaging outer step 2

@@ -989,6 +989,34 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.averager.state_sharing_priority = float(self.outer_step)
             self._publish()  # at once: a peer about to sync must not see this one at the outer step it started with
 
+    def serve_late_peers(self) -> None:
+        """Training ended: keep serving this peer's outer state while a peer still at the outer step before this one's
+        is at its sync point (its averaging of that sync failed: it waits for the round that went on without it, then
+        downloads the result, `_adopt_after_a_missed_sync`), for at most a round's timeout. Leaving at once, the last
+        peers of a run stopped serving as the peer that missed their last sync came to download it: it took that
+        outer step with its own pseudo-gradient and ended apart from them (a clean-clone run, 2026-11-28)."""
+        opt = self.config.opt
+        deadline = time.monotonic() + opt.averaging_timeout + opt.matchmaking_time
+        waited = False
+        while time.monotonic() < deadline:
+            try:
+                others = self._others().values()
+            except Exception as e:  # (the DHT shut down under it): nothing to serve any more
+                logger.debug(f"Stopped serving late peers: {e!r}")
+                return
+            late = [r.peer for r in others if r.outer_step == self.outer_step - 1 and r.at_sync_point]
+            if not late:
+                break
+            if not waited:
+                logger.info(
+                    f"Training ended at outer step {self.outer_step}: serving its outer state to the peers still at "
+                    f"their last sync ({', '.join(late)})"
+                )
+                waited = True
+            time.sleep(POLL_PERIOD)
+        if waited:
+            logger.info(f"Stopped serving the outer state of outer step {self.outer_step}")
+
     def shutdown(self) -> None:
         self._stop.set()
         self._publisher.join(timeout=1.0)
@@ -1044,6 +1072,10 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         control = super().on_step_end(args, state, control, **kwargs)
         if control.should_save or control.should_training_stop:  # [overlap] a checkpoint, or the model at the end,
             self.diloco.finish_pending_sync()  # holds the outer step of the sync in flight (model and state agree)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.diloco.serve_late_peers()  # (not after an interruption: the Trainer calls this only at the end)
         return control
 
     def _follow(self, state: Any) -> None:
