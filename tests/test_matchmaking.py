@@ -126,17 +126,20 @@ def slow_assembling_leader(hold_until: Any) -> type[ReportingAverager]:
     return SlowAssemblingLeader
 
 
-def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
-    """A leader (declares 3 s) and a client-mode follower (its step: 4 s); the leader assembles only 0.5 s after the
-    follower's deadline. Returns the step results and each averager's tensors afterwards."""
+def run_late_leader(
+    stack: ExitStack, leader_cls: Any, prefix: str, **common: Any
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """A leader (declares 3 s; `leader_cls(hold_until)`) and a client-mode follower (its step: 4 s); the leader's
+    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results and
+    each averager's tensors afterwards."""
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
     for dht in dhts:
         stack.callback(dht.shutdown)
     hold_until = mp.Value("d", 0.0)
-    common = dict(prefix="late_assembly", min_group_size=2, request_timeout=GRACE_REQUEST_TIMEOUT_S, start=True)
+    common = dict(prefix=prefix, min_group_size=2, start=True, **common)
     averagers = [
-        slow_assembling_leader(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
+        leader_cls(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
         ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
     ]
     for averager in averagers:
@@ -148,6 +151,11 @@ def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
         with averager.get_tensors() as (tensor,):
             tensors.append(tensor.clone())
     return results, tensors
+
+
+def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """The leader assembles only 0.5 s after the follower's deadline."""
+    return run_late_leader(stack, slow_assembling_leader, "late_assembly", request_timeout=GRACE_REQUEST_TIMEOUT_S)
 
 
 def test_a_follower_whose_deadline_passes_during_assembly_gets_the_group():
@@ -193,28 +201,11 @@ def late_answering_leader(hold_until: Any) -> type[ReportingAverager]:
 
 
 def run_late_answer(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
-    """A leader (declares 3 s, target group size 2) and a client-mode follower (its step: 4 s) that asks it to lead;
-    the leader's ACCEPTED reaches the follower 0.5 s after its deadline. Returns the step results and the tensors."""
-    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
-    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
-    for dht in dhts:
-        stack.callback(dht.shutdown)
-    hold_until = mp.Value("d", 0.0)
-    common = dict(prefix="late_answer", min_group_size=2, target_group_size=2, start=True,
-                  request_timeout=ANSWER_REQUEST_TIMEOUT_S)  # fmt: skip
-    averagers = [
-        late_answering_leader(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
-        ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
-    ]
-    for averager in averagers:
-        stack.callback(averager.shutdown)
-    hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
-    results, _ = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
-    tensors = []
-    for averager in averagers:
-        with averager.get_tensors() as (tensor,):
-            tensors.append(tensor.clone())
-    return results, tensors
+    """The leader (target group size 2) accepts the follower at once; its answer reaches the follower 0.5 s after the
+    follower's deadline."""
+    return run_late_leader(
+        stack, late_answering_leader, "late_answer", target_group_size=2, request_timeout=ANSWER_REQUEST_TIMEOUT_S
+    )
 
 
 def test_a_follower_whose_deadline_passes_before_the_leaders_answer_gets_the_group():
