@@ -115,8 +115,8 @@ class AuthGate:
             del self._tokens[peer_id]
 
     def warn_refused(self, peer_id: PeerID, what: str, source: bool = False) -> None:
-        """Warn (once per WARN_PERIOD for the peer and `what`) that `what` from `peer_id` was refused (`source`: that
-        this peer refused `what` from it, as a state download source)."""
+        """Warn (once per WARN_PERIOD for the peer and `what`) that `what` from `peer_id` was refused, or (`source`) not
+        asked for: a state download source without a valid token."""
         now = time.monotonic()
         if now - self._warned.get((peer_id, what), -float("inf")) >= WARN_PERIOD:
             self._warned[(peer_id, what)] = now
