@@ -59,6 +59,7 @@ class _Common(_Strict):
     save_steps: int | None = Field(None, ge=1)
     resume: str | bool | None = None
     byzantine: Attack | list[Attack] | None = None
+    byzantine_once: bool = False  # a list of attacks is made once, in turn; then honest rounds (not round after round)
     n_embd: int | None = Field(None, ge=1, description="a deliberately different model")
     lora: bool = False
     init_seed: int | None = Field(None, description="trainable weights moved by noise of this seed (other weights)")

@@ -62,10 +62,13 @@ def corrupt_(tensors, attack: str, factor: float) -> None:
 ARMED_ATTACKS: list[dict] = [{"attack": "nan"}, {"attack": "lie_samples"}]  # codes 1, 2 of an armed fault
 
 
-def byzantine_averager(attacks: list[dict], log: Path, armed: Any = None) -> type[RobustGradientAverager]:
+def byzantine_averager(
+    attacks: list[dict], log: Path, armed: Any = None, once: bool = False
+) -> type[RobustGradientAverager]:
     """A gradient averager that corrupts this peer's accumulated gradients just before every all-reduce, with the
-    attacks in turn, round after round (its own reducer stays honest: the attack is on what it sends; an attack with
-    `min_group` waits for a group that large, averaging honestly meanwhile); with no
+    attacks in turn, round after round (`once`: each attack once, then honest rounds; its own reducer stays honest:
+    the attack is on what it sends; an attack with `min_group` waits for a group that large, averaging honestly
+    meanwhile); with no
     `attacks`, only in the round after a fault armed `armed` (shared memory: the averager runs in its own process). It
     keeps its own model finite: the parts that honest reducers refuse to send back to it (after sending NaN) revert to
     its true gradients, so that the next rounds' attacks are made on real gradients, not on NaN."""
@@ -74,6 +77,8 @@ def byzantine_averager(attacks: list[dict], log: Path, armed: Any = None) -> typ
         rounds = 0
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
+            if attacks and once and self.rounds >= len(attacks):  # every attack made: honest from here
+                return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
             if attacks and len(group_info.peer_ids) >= attacks[self.rounds % len(attacks)].get("min_group", 1):
                 attack = attacks[self.rounds % len(attacks)]
             elif attacks:  # a group too small for this attack: averaged honestly, the attack waits for the next round
@@ -313,7 +318,8 @@ def main(spec_path: str) -> int:
     attacks = spec.get("byzantine") or []
     attacks = attacks if isinstance(attacks, list) else [attacks]
     if attacks or any(f["kind"] in ("nan", "lie_samples") for f in spec.get("faults", [])):
-        Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl", armed)
+        once = spec.get("byzantine_once", False)
+        Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl", armed, once)
     if spec.get("poison_state"):
         SwarmOptimizer.state_averager_cls = PoisonedStateAverager
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")

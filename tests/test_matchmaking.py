@@ -83,15 +83,12 @@ def test_a_follower_asks_a_late_leader_again_and_gets_into_its_group():
     assert all(isinstance(result, dict) and len(result) == 3 for result in results), results
 
 
-def test_without_the_fix_the_late_follower_is_left_out():
+def test_without_the_fix_the_late_follower_is_left_out(monkeypatch):
     """The control: hivemind's own request, the same delays."""
-    patched = Matchmaking._request_join_group
-    Matchmaking._request_join_group = patched.__wrapped__  # the averager processes fork with hivemind's
-    try:
-        with ExitStack() as stack:
-            results, requests = run_round(stack)
-    finally:
-        Matchmaking._request_join_group = patched
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(Matchmaking, "_request_join_group", Matchmaking._request_join_group.__wrapped__)
+    with ExitStack() as stack:
+        results, requests = run_round(stack)
     # (it may ask once more, rejected: on a busy machine it can still be searching when the leader's first declaration
     # ends, and the leader then assembles or declares anew; clean-clone run M, 2026-11-25)
     assert requests >= 1, requests
@@ -165,16 +162,13 @@ def test_a_follower_whose_deadline_passes_during_assembly_gets_the_group():
     assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
 
 
-def test_without_the_fix_the_follower_gives_up_as_its_group_assembles():
+def test_without_the_fix_the_follower_gives_up_as_its_group_assembles(monkeypatch):
     """The control: hivemind's look_for_group, the same timing. The leader counts the follower in (it was accepted),
     the follower reports no group: the leader's round cannot average with it."""
-    patched = Matchmaking.look_for_group
-    Matchmaking.look_for_group = patched.__wrapped__  # the averager processes fork with hivemind's
-    try:
-        with ExitStack() as stack:
-            results, tensors = run_late_assembly(stack)
-    finally:
-        Matchmaking.look_for_group = patched
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(Matchmaking, "look_for_group", Matchmaking.look_for_group.__wrapped__)
+    with ExitStack() as stack:
+        results, tensors = run_late_assembly(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
 
@@ -215,15 +209,12 @@ def test_a_follower_whose_deadline_passes_before_the_leaders_answer_gets_the_gro
     assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
 
 
-def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way():
+def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way(monkeypatch):
     """The control: hivemind's join request, which trahiv's does not mark as awaiting its answer: the grace as it was
     (only for an averager already accepted, or leading), the same timing."""
-    patched = Matchmaking._request_join_group
-    Matchmaking._request_join_group = patched.__wrapped__  # the averager processes fork with hivemind's
-    try:
-        with ExitStack() as stack:
-            results, tensors = run_late_answer(stack)
-    finally:
-        Matchmaking._request_join_group = patched
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(Matchmaking, "_request_join_group", Matchmaking._request_join_group.__wrapped__)
+    with ExitStack() as stack:
+        results, tensors = run_late_answer(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
