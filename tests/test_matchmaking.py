@@ -1,6 +1,7 @@
 """Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6);
 a follower whose step's deadline passes while its leader assembles the group, or while the leader's answer to its join
-request is on its way, still gets the group (10).
+request is on its way, still gets the group (10); a groupmate's part for a group found but not begun yet waits for it
+(11).
 
 Three averagers in their own processes on loopback: a leader and two followers in client mode. The leader holds its
 first answer to one follower 1.5 s, longer than the followers' request_timeout (1 s); the other follower joins at once.
@@ -19,10 +20,12 @@ from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming 
 
 import hivemind
 import torch
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from swarm_helpers import step_together
+from swarm_helpers import step_together, wait_for
 
 from trahiv import engine
 from trahiv.engine.averagers import ReportingAverager
@@ -218,3 +221,88 @@ def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way(monkeyp
         results, tensors = run_late_answer(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
+
+
+# --- 11. a groupmate's parts for a group this averager found but has not begun yet ------------------------------------
+
+
+SIZE = 2**18  # values averaged: two parts of hivemind's 512 KiB, one reduced by each (1,000 values: one part)
+
+
+def group_ends_meanwhile(parts: Any) -> type[ReportingAverager]:
+    class GroupEndsMeanwhile(ReportingAverager):
+        """Counts the part streams that reach it (`parts`), and once its step found its group (awaiting its trigger),
+        sets hivemind's "a group registered" event as another round of this averager that ends then does: in
+        background mode, step k's round ends while step k+1's group awaits its trigger."""
+
+        async def _step(self, *, step: Any, future_for_init: Any) -> None:
+            async def another_round_ends() -> None:
+                while step.stage != AveragingStage.AWAITING_TRIGGER and not step.done():
+                    await asyncio.sleep(0.01)
+                self._pending_groups_registered.set()
+
+            ends = asyncio.create_task(another_round_ends())
+            try:
+                await super()._step(step=step, future_for_init=future_for_init)
+            finally:
+                ends.cancel()
+
+        async def rpc_aggregate_part(
+            self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.AveragingData]:
+            with parts.get_lock():
+                parts.value += 1
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+
+    return GroupEndsMeanwhile
+
+
+def run_part_before_trigger(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """a's step waits for its trigger, b's begins its all-reduce as the group (of 2) assembles; a is triggered once
+    b's part reached it. Returns each step's result (or exception) and each averager's tensors afterwards."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    parts = mp.Value("i", 0)
+    common = dict(prefix="found_group", min_group_size=2, target_group_size=2, min_matchmaking_time=2.0, start=True)
+    a = group_ends_meanwhile(parts)([torch.zeros(SIZE)], dht=dhts[0], **common)
+    b = ReportingAverager([torch.ones(SIZE)], dht=dhts[1], **common)
+    for averager in (a, b):
+        stack.callback(averager.shutdown)
+    controls = [a.step(wait=False, require_trigger=True, timeout=20.0, allow_retries=False)]
+    controls.append(b.step(wait=False, timeout=20.0, allow_retries=False))
+    wait_for(lambda: parts.value > 0, 30, "b's part at a")
+    controls[0].allow_allreduce()
+    results = []
+    for control in controls:
+        try:
+            results.append(control.result(timeout=30))
+        except Exception as e:
+            results.append(e)
+    tensors = []
+    for averager in (a, b):
+        with averager.get_tensors() as (tensor,):
+            tensors.append(tensor.clone())
+    return results, tensors
+
+
+def test_a_part_for_a_group_found_but_not_begun_waits_for_it():
+    with ExitStack() as stack:
+        results, tensors = run_part_before_trigger(stack)
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((SIZE,), 0.5)) for tensor in tensors), tensors
+
+
+def test_with_hiveminds_handler_the_part_is_turned_away(monkeypatch):
+    """The control: hivemind's rpc_aggregate_part, the same timing. a answers b's part with BAD_GROUP_ID: b keeps its
+    own values of the part a reduces, and a's reducer averages without b's: neither ends at the mean."""
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(
+        DecentralizedAverager, "rpc_aggregate_part", DecentralizedAverager.rpc_aggregate_part.__wrapped__
+    )
+    with ExitStack() as stack:
+        results, tensors = run_part_before_trigger(stack)
+    assert bool((tensors[1] == 1.0).any()), (results, tensors)  # b kept its own values of the part a turned away
+    assert not any(torch.equal(tensor, torch.full((SIZE,), 0.5)) for tensor in tensors), (results, tensors)

@@ -230,6 +230,35 @@ def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
         assert "has not averaged with anyone" not in peer.log(), peer.name
 
 
+@pytest.mark.parametrize("busy_core", [False, True], ids=["idle", "one-core-busy"])
+def test_background_mode_with_fast_steps_keeps_every_round_whole(tmp_path, workdir, busy_core):
+    """Background mode, 2 peers, 0.05 s local steps, target 16 = 2 batches of 4 each, 8 steps (optionally with
+    another process keeping a core busy). Each step's round runs while the next step computes, so a peer's round of
+    step k ends while its group for step k + 1 awaits its trigger; a groupmate that triggered first sent its parts
+    then, and they were turned away (BAD_GROUP_ID, engine fix 11): partial rounds, and the two peers apart from then
+    on (beside a busy core 5 of 8 runs before the fix, 3 of them hung at exit). Every round is complete and every
+    update applied (constant gradients: the parameters are exactly -8)."""
+    boot = start_bootstrap(tmp_path)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
+    common = dict(
+        workdir=str(workdir), run_id="fastbg", target=16, max_steps=8, batch_size=4, sleep_per_step=0.05,
+        initial_peers=boot.initial_peers, toy_grad=1.0,
+        opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
+    )  # fmt: skip
+    try:
+        a, b = start_peer(tmp_path, "a", **common), start_peer(tmp_path, "b", **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        boot.stop()
+    for done in (done_a, done_b):
+        assert done["global_step"] == 8
+        assert done["values"] == pytest.approx([-8.0] * 4, abs=1e-5), done
+        assert done["averaging_rounds"] == {"complete": 8, "partial": 0, "failed": 0}, done
+
+
 def test_the_last_batch_of_a_step_is_announced_as_it_begins(tmp_path, workdir):
     """Background mode, 2 peers of equal speed (0.8 s a local step), target 16 = 2 batches of 4 each; peer a stalls
     1 s as step 2 begins (a fault at a named step), so b computes its share first and waits. a publishes the samples

@@ -49,6 +49,15 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    still awaits its answer (its leader may have accepted it and assembled at once: a DiLoCo peer in clean-clone run
    BH, 2026-11-28, gave up its search while its group averaged for 10 s without its part), once more if it is
    accepted in that time (tests/test_matchmaking.py).
+11. A groupmate's parts that arrive before this averager began the group's all-reduce: a reducer answers a part for a
+   group it does not run yet with BAD_GROUP_ID, unless hivemind's one event says a group is about to register. The
+   event is set whenever a group of this averager ends, so in background mode (`delay_grad_averaging`: step k's round
+   ends while step k+1's group, found, awaits its trigger) a peer that triggered its round first was turned away by a
+   groupmate still finishing its step: both rounds partial, the two peers apart from then on (2 peers, 0.05 s local
+   steps beside a busy core: 5 of 8 runs, 3 of them hung at exit with the update in flight). A part for a group this
+   averager found now waits until that group begins, or its step ends; a part for a group not found yet, while the
+   search under way as it arrived lasts (the leader's answer may be on its way: hivemind's own case), without the
+   event (tests/test_matchmaking.py, tests/test_swarm.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -60,6 +69,7 @@ import os
 import signal
 import threading
 import time
+import typing
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,6 +82,7 @@ logger = logging.getLogger("trahiv.averaging")
 HIVEMIND_VERSION = "1.1.12"
 EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
 MATCHMAKING_LOOKUP_PERIOD = 0.1  # seconds between the starts of two DHT lookups of one averager's group key (fix 7)
+FOUND_GROUP_POLL = 0.1  # seconds between looks at a found group's step while a part for it waits (fix 11)
 PARENT_POLL_SECONDS = 0.25
 _applied = False
 
@@ -93,6 +104,7 @@ def apply() -> None:
     _retry_late_leaders()
     _pace_matchmaking_lookups()
     _finish_groups_in_assembly()
+    _wait_for_found_groups()
     _applied = True
 
 
@@ -560,3 +572,85 @@ def _finish_groups_in_assembly() -> None:
 
     look_for_group._trahiv_finish_groups = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "look_for_group", look_for_group)
+
+
+# 11. A groupmate's parts that arrive before this averager began the group's all-reduce --------------------------------
+
+
+def _wait_for_found_groups() -> None:
+    import asyncio
+
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import achain, anext, as_aiter
+
+    if getattr(DecentralizedAverager.rpc_aggregate_part, "_trahiv_found_groups", False):
+        return
+    look, register = Matchmaking.look_for_group, DecentralizedAverager._register_allreduce_group  # (look: fix 10's)
+
+    async def look_for_group(self, step):  # type: ignore[no-untyped-def]
+        group = await look(self, step)
+        found = self.__dict__.setdefault("_trahiv_found_groups", {})  # group id -> (its step, begun)
+        for group_id in [group_id for group_id, (control, _) in found.items() if control.done()]:
+            del found[group_id]  # (a group whose step ended before it began)
+        if group is not None:
+            found[group.group_id] = (step, asyncio.Event())
+        return group
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info):  # type: ignore[no-untyped-def]
+        with register(self, group_info):
+            _, begun = getattr(self._matchmaking, "_trahiv_found_groups", {}).pop(group_info.group_id, (None, None))
+            if begun is not None:
+                begun.set()
+            yield
+
+    # adapted from hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part (hivemind 1.1.12): the wait for
+    # a group not running yet is `_until_group_begins` instead of hivemind's `_pending_groups_registered` event
+    async def rpc_aggregate_part(self, stream, context):  # type: ignore[no-untyped-def]
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            await _until_group_begins(self, request.group_id)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    # hivemind finds an RPC's message types in its annotations (ServicerBase._collect_rpc_handlers): hivemind's own
+    rpc_aggregate_part.__annotations__ = typing.get_type_hints(DecentralizedAverager.rpc_aggregate_part)
+    rpc_aggregate_part._trahiv_found_groups = True  # type: ignore[attr-defined]
+    _replace(Matchmaking, "look_for_group", look_for_group)
+    _replace(DecentralizedAverager, "_register_allreduce_group", _register_allreduce_group)
+    _replace(DecentralizedAverager, "rpc_aggregate_part", rpc_aggregate_part)
+
+
+async def _until_group_begins(averager: Any, group_id: bytes) -> None:
+    """Wait until this averager runs group `group_id`, while it may still: a group it found (its step awaits its
+    trigger) until that step ends or its deadline passes; an unknown group while the search under way as the part
+    arrived goes on (the leader's answer with the group may be on its way: hivemind's own case)."""
+    import asyncio
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    matchmaking = averager._matchmaking
+    search = matchmaking.step_control
+    logged = False
+    while group_id not in averager._running_groups:
+        control, begun = getattr(matchmaking, "_trahiv_found_groups", {}).get(group_id, (None, None))
+        if control is not None:
+            if control.done() or get_dht_time() >= control.deadline:
+                return
+            waiting = begun.wait()
+        elif search is not None and matchmaking.step_control is search:
+            waiting = asyncio.sleep(FOUND_GROUP_POLL)
+        else:
+            return
+        if not logged:
+            logger.debug(f"{averager} - a part for group {group_id.hex()[:8]} before it began: waiting")
+            logged = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(waiting, FOUND_GROUP_POLL)

@@ -388,6 +388,14 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "follower_was_discarded", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "was_accepted_to_group", "instance", None),
+    # trahiv.engine.fixes, 11: a groupmate's parts for a group found but not begun wait for it
+    Internal(
+        "hivemind.averaging.averager:DecentralizedAverager",
+        "_register_allreduce_group",
+        "method",
+        "(self, group_info: 'GroupInfo')",
+    ),
+    Internal("hivemind.averaging.control:StepControl", "deadline", "attribute", None),
     # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
     Internal(
         "hivemind.averaging.matchmaking:Matchmaking",
