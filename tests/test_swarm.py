@@ -205,28 +205,42 @@ def test_peers_that_start_together_start_from_the_weights_of_the_first_ready(tmp
         assert len(set(digests.values())) == 1, (step, digests)
 
 
+def run_background_pair(
+    tmp_path: Path, workdir: Path, *, run_id: str, max_steps: int, sleep_per_step: float, busy_core: bool = False
+) -> tuple[list[Peer], list[dict]]:
+    """Two peers in background mode (delay_optimizer_step + delay_grad_averaging), constant gradient +1, SGD with lr
+    1, target 16 = 2 batches of 4 each, optionally with another process keeping a core busy. Returns the peers and
+    what each reported at the end."""
+    boot = start_bootstrap(tmp_path)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
+    common = dict(
+        workdir=str(workdir), run_id=run_id, target=16, max_steps=max_steps, batch_size=4,
+        sleep_per_step=sleep_per_step, initial_peers=boot.initial_peers, toy_grad=1.0,
+        opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
+    )  # fmt: skip
+    try:
+        peers = [start_peer(tmp_path, name, **common) for name in "ab"]
+        done = [peer.finish() for peer in peers]
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        boot.stop()
+    return peers, done
+
+
 def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
     """Background mode (delay_optimizer_step + delay_grad_averaging): the optimizer step of a collaborative step runs
     in the background. When training ends, the model holds every step's update: constant gradient +1 on both peers,
     SGD with lr 1, 6 steps: the parameters are -6, not -5 (the last update still in flight). Every round is complete,
     and no peer warns that it averaged with nobody (the warning counted a step whose round was still running in the
     background as a step without averaging: all peers warned after 3 steps, naming a NAT or firewall)."""
-    boot = start_bootstrap(tmp_path)
-    common = dict(
-        workdir=str(workdir), run_id="background", target=16, max_steps=6, batch_size=4, sleep_per_step=0.5,
-        initial_peers=boot.initial_peers, toy_grad=1.0,
-        opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
-    )  # fmt: skip
-    try:
-        a, b = start_peer(tmp_path, "a", **common), start_peer(tmp_path, "b", **common)
-        done_a, done_b = a.finish(), b.finish()
-    finally:
-        boot.stop()
-    for done in (done_a, done_b):
+    peers, finished = run_background_pair(tmp_path, workdir, run_id="background", max_steps=6, sleep_per_step=0.5)
+    for done in finished:
         assert done["global_step"] == 6
         assert done["values"] == pytest.approx([-6.0] * 4, abs=1e-5), done
         assert done["averaging_rounds"]["complete"] == 6, done
-    for peer in (a, b):  # the rounds end in the background, after their steps: they were not silent
+    for peer in peers:  # the rounds end in the background, after their steps: they were not silent
         assert "has not averaged with anyone" not in peer.log(), peer.name
 
 
@@ -238,22 +252,10 @@ def test_background_mode_with_fast_steps_keeps_every_round_whole(tmp_path, workd
     then, and they were turned away (BAD_GROUP_ID, engine fix 11): partial rounds, and the two peers apart from then
     on (beside a busy core 5 of 8 runs before the fix, 3 of them hung at exit). Every round is complete and every
     update applied (constant gradients: the parameters are exactly -8)."""
-    boot = start_bootstrap(tmp_path)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
-    common = dict(
-        workdir=str(workdir), run_id="fastbg", target=16, max_steps=8, batch_size=4, sleep_per_step=0.05,
-        initial_peers=boot.initial_peers, toy_grad=1.0,
-        opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
-    )  # fmt: skip
-    try:
-        a, b = start_peer(tmp_path, "a", **common), start_peer(tmp_path, "b", **common)
-        done_a, done_b = a.finish(), b.finish()
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
-        boot.stop()
-    for done in (done_a, done_b):
+    _, finished = run_background_pair(
+        tmp_path, workdir, run_id="fastbg", max_steps=8, sleep_per_step=0.05, busy_core=busy_core
+    )
+    for done in finished:
         assert done["global_step"] == 8
         assert done["values"] == pytest.approx([-8.0] * 4, abs=1e-5), done
         assert done["averaging_rounds"] == {"complete": 8, "partial": 0, "failed": 0}, done
