@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -611,3 +612,25 @@ def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers
         assert swarm.dht.get("keep_alive_grad_averager.all_averagers", latest=True) is None
     finally:
         swarm.shutdown()
+
+
+def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_answer(monkeypatch):
+    """A background update that watches the swarm while its round looks for a group (`peek_epoch`, every
+    LEFT_BEHIND_POLL) reads the progress through the DHT process. Its peer shut down meanwhile (stop 44: 0.05 s steps
+    in background mode, a round of the last step still looking for a group), the read was never answered, and the
+    process never exited (the interpreter waits for the update's thread). Here the DHT process is frozen (SIGSTOP)
+    during the read: it ends after DHT_READ_TIMEOUT with no answer, and the peer's own step stands."""
+    from trahiv.engine import optimizer as engine_optimizer
+
+    monkeypatch.setattr(engine_optimizer, "DHT_READ_TIMEOUT", 1.0)
+    with lone_peer("frozen_dht", target=2, batch=1) as (swarm, optimizer, param):
+        swarm.catch_up()
+        read: list[int] = []
+        reader = threading.Thread(target=lambda: read.append(optimizer.tracker.peek_epoch()), daemon=True)
+        os.kill(swarm.dht.pid, signal.SIGSTOP)
+        try:
+            reader.start()
+            reader.join(timeout=20)
+            assert read == [optimizer.local_epoch], "the read did not end while the DHT was frozen"
+        finally:
+            os.kill(swarm.dht.pid, signal.SIGCONT)

@@ -86,6 +86,7 @@ STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the
 PING_AGAIN_S = 10.0  # seconds: a peer far behind that answered a ping is asked again after this (`_gone`)
 PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins (`_may_promise`)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
+DHT_READ_TIMEOUT = 10.0  # seconds: a read of the DHT from a background wait that gets no answer counts as none
 
 
 def in_group(control: Any) -> bool:
@@ -99,11 +100,22 @@ def newest_served_step(dht: hivemind.DHT, run_id: str) -> int:
     return newest_served(dht, f"{run_id}_state_averager")
 
 
+def read_latest(dht: hivemind.DHT, key: str) -> Any:
+    """`dht.get(key, latest=True)`, but a read that gets no answer within DHT_READ_TIMEOUT (the DHT process died or
+    froze with the read in flight) is None: a background update that watched the swarm while its peer shut down
+    waited for such a read for good, and held the process at exit (stop 44, 0.05 s steps in background mode)."""
+    try:
+        return dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
+    except (TimeoutError, OSError, EOFError) as e:  # (OSError: the DHT's pipe is closed)
+        logger.debug(f"No answer from the DHT for {key!r}: {e!r}")
+        return None
+
+
 def newest_served(dht: hivemind.DHT, prefix: str) -> int:
     """The highest state-sharing priority another averager of `prefix` declares (hivemind's `{prefix}.all_averagers`
     key: a subkey per peer, the priority as its value); trahiv's averagers declare the step of the state they serve
-    (the collaborative step, or DiLoCo's outer step under `{run_id}_diloco`). 0 if none."""
-    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    (the collaborative step, or DiLoCo's outer step under `{run_id}_diloco`). 0 if none (or no answer)."""
+    found = read_latest(dht, f"{prefix}.all_averagers")
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
     own = dht.peer_id.to_bytes()
     steps = [getattr(entry, "value", None) for peer, entry in entries.items() if peer != own]
@@ -204,7 +216,7 @@ class SwarmProgressTracker(ProgressTracker):
     def peek_epoch(self) -> int:
         """The swarm's step from a fresh read of the progress records (trusted as in `_trusted_records`), without
         the tracker's lock and without updating its state: for waits while the tracker is paused."""
-        found = self.dht.get(self.training_progress_key, latest=True)
+        found = read_latest(self.dht, self.training_progress_key)
         epochs = [record.epoch for record, _ in self._well_formed_records(found.value if found else None).values()]
         limit = trusted_epoch(epochs, self.local_progress.epoch)
         return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch)
@@ -676,7 +688,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         control = maybe_step_control
         deadline = time.monotonic() + self.averaging_timeout
         while control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or not self.dht.is_alive():  # (the peer shut down meanwhile)
                 break
             time.sleep(LEFT_BEHIND_POLL)
             swarm = self.tracker.peek_epoch()  # (the tracker is paused here: its lock is held)
