@@ -29,10 +29,11 @@ class Fault(_Strict):
     """A fault the peer injects into itself when its collaborative step reaches `at_step`:
     - stall: no local step for `seconds` (a frozen laptop, a notebook's paused kernel);
     - die: SIGKILL to itself (its engine processes must go too);
+    - kill_dht / kill_p2pd: SIGKILL to its DHT process / its p2p daemon (the kernel's OOM killer picked it);
     - nan: the next averaging round it joins, it sends NaN/inf gradients;
     - lie_samples: the next averaging round it joins, it claims `factor` times the samples it accumulated."""
 
-    kind: Literal["stall", "die", "nan", "lie_samples"]
+    kind: Literal["stall", "die", "kill_dht", "kill_p2pd", "nan", "lie_samples"]
     at_step: int = Field(ge=0)
     seconds: float = Field(0.0, ge=0)
     factor: float = Field(1e3, gt=0)

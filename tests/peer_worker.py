@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import transformers
 from hivemind.averaging import DecentralizedAverager
@@ -151,8 +152,9 @@ class ToyModel(torch.nn.Module):
 class FaultInjector(TrainerCallback):
     """Fires SPEC["faults"] when the collaborative step reaches their `at_step` (see tests/peer_spec.py)."""
 
-    def __init__(self, faults: list[dict], armed: Any, records: Any):
+    def __init__(self, faults: list[dict], armed: Any, records: Any, trainer: Trainer):
         self.pending, self.armed, self.records = sorted(faults, key=lambda f: f["at_step"]), armed, records
+        self.trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs):
         while self.pending and state.global_step >= self.pending[0]["at_step"]:
@@ -164,6 +166,10 @@ class FaultInjector(TrainerCallback):
                 time.sleep(fault["seconds"])  # the fault itself: this peer is frozen
             elif fault["kind"] == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif fault["kind"] in ("kill_dht", "kill_p2pd"):  # one engine process dies under the peer (OOM killer)
+                dht = psutil.Process(self.trainer.swarm.dht.pid)
+                victim = dht if fault["kind"] == "kill_dht" else next(c for c in dht.children() if "p2pd" in c.name())
+                victim.kill()
             else:  # nan / lie_samples: the next round this peer joins
                 self.armed[1] = fault["factor"]
                 self.armed[0] = 1 + [a["attack"] for a in ARMED_ATTACKS].index(fault["kind"])
@@ -335,7 +341,7 @@ def main(spec_path: str) -> int:
     recorder = Recorder(trainer, spec, out)
     trainer.add_callback(recorder)
     if spec.get("faults"):
-        trainer.add_callback(FaultInjector(spec["faults"], armed, recorder.records))
+        trainer.add_callback(FaultInjector(spec["faults"], armed, recorder.records, trainer))
     result = trainer.train(resume_from_checkpoint=spec.get("resume"))
     done = {
         "global_step": trainer.state.global_step,

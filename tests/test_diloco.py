@@ -5,15 +5,17 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import transformers
-from swarm_helpers import Bootstrap, Peer, start_bootstrap, start_peer, stop, wait_for
+from swarm_helpers import Bootstrap, Peer, alive, process_tree, start_bootstrap, start_peer, stop, wait_for
 
 from trahiv.config import HivemindConfig
 from trahiv.diloco import (
@@ -414,6 +416,36 @@ def test_a_killed_peer_costs_the_others_seconds(tmp_path, workdir):
     assert after, "no sync after the kill"
     # the first sync after the kill: 4 inner steps (~0.5 s) + waiting for the dead peer + matchmaking (2 s)
     assert after[0] - killed_at < 30, after[0] - killed_at
+
+
+def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir):
+    """Two DiLoCo peers; b's DHT process is killed (the OOM killer) once b has synced at outer step 1. b stops with one
+    message naming the process, its whole process tree gone (the p2pd its DHT left behind too), while a trains to the
+    end (test_faults.py has the synchronous mode's case; a sync's handlers catch every Exception, and the step does not
+    go on past them)."""
+    boot = start_bootstrap(tmp_path)
+    common = {"workdir": str(workdir), "run_id": "diloco_lost", "initial_peers": boot.initial_peers, "batch_size": 2,
+              "inner_steps": 4, "max_steps": 16, "sleep_per_step": 0.1, "opt": {"min_peers": 2}}  # fmt: skip
+    a, b = (start_diloco_peer(tmp_path, name, **common) for name in ("a", "b"))
+    try:
+        wait_for(lambda: b._check_alive() and 1 in syncs(b), 120, "b's first sync")
+        tree = process_tree(b.process.pid)
+        dht = next(p for p in psutil.Process(b.process.pid).children() if any("p2pd" in c.name() for c in p.children()))
+        dht.kill()
+        code = b.process.wait(timeout=60)
+        done = a.finish(timeout=150)
+    finally:
+        for peer in (a, b):
+            stop(peer.process)
+        boot.stop()
+    log = b.log()
+    assert code == 1, log[-3000:]
+    assert re.search(
+        rf"lost its link to swarm 'diloco_lost': its DHT process \(pid {dht.pid}\) was killed by SIGKILL", log
+    )
+    assert "SwarmLostError" in log.strip().splitlines()[-1], log[-3000:]
+    assert alive(tree) == [], f"left running: {alive(tree)}"
+    assert done["global_step"] == 16 and done["outer_step"] == 4, done
 
 
 def test_a_peer_counted_in_a_round_it_failed_downloads_its_result(tmp_path, workdir):

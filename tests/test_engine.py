@@ -216,6 +216,64 @@ def test_a_signal_swallowed_by_the_engine_is_raised_again():
     engine.raise_if_interrupted()  # leaving interrupt_on_signals clears it
 
 
+def test_another_threads_error_is_raised_at_the_next_step_or_where_the_main_thread_waits():
+    """`interrupt_main` (a lost engine process, trahiv.engine.liveness): the main thread raises the error at its next
+    step (`raise_if_interrupted`) if it gets there within the grace period, and no signal follows; if it waits for
+    an answer that will not come, the signal interrupts the wait. Outside `interrupt_on_signals` nothing happens."""
+    from trahiv.engine import fixes
+
+    assert not fixes.interrupt_main(RuntimeError("outside"))
+    with engine.interrupt_on_signals():
+        error = RuntimeError("the DHT process ended")
+        assert fixes.interrupt_main(error, grace=0.5)
+        with pytest.raises(RuntimeError, match="the DHT process ended"):
+            engine.raise_if_interrupted()  # the next step, within the grace period
+        time.sleep(1.0)  # (no signal arrives after the grace period: it would raise here)
+    with engine.interrupt_on_signals():
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="no answer"):
+            threading.Timer(0.1, fixes.interrupt_main, args=(RuntimeError("no answer"),), kwargs={"grace": 0.5}).start()
+            threading.Event().wait(30)  # a DHT read whose answer never comes
+        assert 0.5 <= time.monotonic() - began < 5
+    engine.raise_if_interrupted()  # leaving interrupt_on_signals clears it
+
+
+@pytest.mark.parametrize("ended", ["killed", "exited", "closed first"])
+def test_the_engine_watch_says_which_process_ended_and_how(ended):
+    """`EngineWatch`: one call, naming the process and how it ended (SIGKILL: the OOM killer's signal); nothing once
+    the peer closed the watch (its own shutdown)."""
+    import multiprocessing as mp
+
+    from trahiv.engine.liveness import EngineWatch
+
+    context = mp.get_context("fork")
+    dht = context.Process(target=time.sleep, args=(60,), daemon=True)
+    averager = context.Process(target=time.sleep, args=(0.5 if ended == "exited" else 60,), daemon=True)
+    dht.start(), averager.start()
+    calls: list[str] = []
+    watch = EngineWatch(dht, lambda: [dht, averager], calls.append).start()
+    try:
+        if ended == "killed":
+            os.kill(dht.pid, signal.SIGKILL)
+            wait_for(lambda: calls, 5, "the watch to see the DHT process end")
+            assert calls == [f"its DHT process (pid {dht.pid}) was killed by SIGKILL (the kernel's out-of-memory "
+                             "killer sends it, as does kill -9)"]  # fmt: skip
+        elif ended == "exited":
+            wait_for(lambda: calls, 5, "the watch to see the averager end")
+            assert calls == [f"its {type(averager).__name__} process (pid {averager.pid}) exited with code 0"]
+        else:
+            watch.close()
+            dht.kill()
+            time.sleep(1.5)  # (longer than the watch's period: it would have called by now)
+            assert calls == []
+    finally:
+        watch.close()
+        for process in (dht, averager):
+            process.kill()
+            process.join()
+    assert len(calls) <= 1
+
+
 def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
     """hivemind's Optimizer.load_state_from_peers moves a peer one step behind the swarm to the swarm's step without
     its LR schedule ("Catching up with collaboration step"): its next step ran with the previous step's LR (a test

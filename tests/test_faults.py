@@ -130,6 +130,42 @@ def test_a_killed_peer_is_not_waited_for_once_two_steps_behind(tmp_path, workdir
     assert "Peer left the swarm" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("fault", ["kill_dht", "kill_p2pd"])
+def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workdir, fault):
+    """The OOM killer (here the peer itself, at step 3) takes one engine process of a training peer: its DHT process,
+    or the DHT's p2p daemon. Without its DHT the peer waited for good in its next progress read, saying nothing;
+    without p2pd it trained on alone, while the other peer waited for it round after round. Now it stops at once with
+    one message that names the process and how it ended, leaves nothing running (p2pd, orphaned by its DHT, too), and
+    the other peer finishes the run."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id=fault, target=8, max_steps=8, batch_size=4, sleep_per_step=0.1,
+                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", **common)
+        b = start_peer(tmp_path, "b", faults=[{"kind": fault, "at_step": 3}], **common)
+        b.wait_step(2)
+        tree = process_tree(b.process.pid)  # b, its DHT (with p2pd) and averagers
+        assert len(tree) >= 4, tree
+        code = b.process.wait(timeout=60)  # (before: the DHT's case never ended)
+        done = a.finish()
+    finally:
+        boot.stop()
+    log = b.log()
+    assert code == 1, log[-3000:]
+    what = (
+        r"its DHT process \(pid \d+\) was killed by SIGKILL"
+        if fault == "kill_dht"
+        else r"its p2p daemon \(p2pd, pid \d+\) ended"
+    )
+    assert re.search(rf"lost its link to swarm '{fault}': {what}", log), log[-3000:]
+    assert log.count("lost its link to swarm") == 2, log[-3000:]  # the ERROR line, then the exception that ends train()
+    assert "SwarmLostError" in log.strip().splitlines()[-1], log[-3000:]
+    fired = next(row for row in b.records() if row["kind"] == "fault")
+    assert fired["step"] == 3
+    assert alive(tree) == [], f"left running: {alive(tree)}"
+    assert done["global_step"] == 8
+
+
 def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir):
     """A peer frozen at step 3 (a fault at a named step, tests/peer_spec.py) while the other trains on: when it wakes
     it does not replay the steps it missed; it downloads the swarm's state and holds the same parameters as the other

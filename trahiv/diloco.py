@@ -64,6 +64,7 @@ from trahiv.auth import AuthGate
 from trahiv.averaging import Aggregation
 from trahiv.compression import make_compression
 from trahiv.config import HivemindConfig
+from trahiv.engine import fixes
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
 from trahiv.engine.optimizer import newest_served
@@ -361,6 +362,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # --- the inner loop ----------------------------------------------------------------------------------------
 
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
+        fixes.raise_if_interrupted()  # (a lost engine process: stop between steps, see trahiv.engine.liveness)
+        try:
+            return self._step(closure)
+        finally:
+            fixes.raise_if_interrupted()  # a Ctrl+C or a lost engine process that a sync's handler swallowed
+
+    def _step(self, closure: Callable | None) -> Any:
         loss = self.inner.step(closure)
         if self.revert is not None and self.revert.maybe_apply(self):  # a moderator's order: this step is dropped
             self._last_step_at = time.monotonic()

@@ -73,7 +73,8 @@ def user_message(error: BaseException) -> str | None:
             return f"{error.filename}: {error.strerror}. Check the path and its permissions"
         return f"{error}. Check the path and its permissions"
     name = type(error).__name__
-    if name in ("SwarmJoinError", "AuthError"):  # (matched by name: importing them would start the engine)
+    # (matched by name: importing them would start the engine)
+    if name in ("SwarmJoinError", "SwarmLostError", "AuthError"):
         return str(error)
     if name == "ArgumentError" and type(error).__module__.startswith("sqlalchemy"):
         return f"{error}: give a database URL such as sqlite:///trahiv.db or postgresql://user@host/db"

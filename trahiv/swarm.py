@@ -23,6 +23,7 @@ from trahiv.config import DHTConfig, HivemindConfig
 from trahiv.engine import fixes
 from trahiv.engine.averagers import ReportingGradientAverager, RobustGradientAverager
 from trahiv.engine.gate import gated
+from trahiv.engine.liveness import EngineWatch
 from trahiv.engine.optimizer import (
     SwarmOptimizer,
     grad_averager_factory,
@@ -63,6 +64,10 @@ DHT_START_TIMEOUT = 120.0  # seconds for a DHT process to start and join (its p2
 
 class SwarmJoinError(RuntimeError):
     """This peer could not start or reach the swarm."""
+
+
+class SwarmLostError(RuntimeError):
+    """One of this peer's engine processes (DHT, p2pd, an averager) ended under it: it cannot reach the swarm."""
 
 
 def start_dht(config: DHTConfig, **extra: Any) -> hivemind.DHT:
@@ -221,10 +226,25 @@ class Swarm:
             name = config.metrics.name or (self.auth.username[:32] if self.auth is not None else None)  # leaderboard
             self.metrics_publisher = MetricsPublisher(self.dht, self.run_id, peer_id=self.peer_id, name=name)
         self._samples_at_last_record = 0
+        # the engine's processes watched (closed first at shutdown: a process ended on purpose is not a loss)
+        self.engine_watch = self.lifecycle.enter(
+            "engine watch", lambda: EngineWatch(self.dht, self.engine_processes, self._engine_lost).start(),
+            lambda watch: watch.close(),
+        )  # fmt: skip
         for line in connectivity.join_lines(
             join_addresses(self.dht), config.dht.initial_peers, client_mode=self.dht.client_mode
         ):
             announce(line)
+
+    def _engine_lost(self, reason: str) -> None:
+        """An engine process ended under this peer (`EngineWatch`): say so once, and stop training where it is."""
+        message = (
+            f"This peer lost its link to swarm {self.run_id!r}: {reason}. Without it the peer can neither follow the "
+            "swarm's progress nor average, so training stops here. Start the peer again to rejoin (it downloads the "
+            "swarm's current state), or resume from its last checkpoint"
+        )
+        logger.error(message)
+        fixes.interrupt_main(SwarmLostError(message))  # (in Trainer.train; elsewhere the message alone)
 
     @property
     def run_id(self) -> str:
@@ -489,3 +509,5 @@ class Swarm:
         closer.start()
         closer.join(timeout)
         fixes.kill_engine_processes(processes)  # whatever did not stop in time, with its children (p2pd)
+        if self.engine_watch.lost is not None:  # a DHT process killed under this peer left its p2pd behind
+            fixes.kill_if_named(self.engine_watch.p2pd_pid, "p2pd")

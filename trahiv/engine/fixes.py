@@ -146,32 +146,66 @@ def _fix_sigint() -> None:
 
 @contextlib.contextmanager
 def interrupt_on_signals():
-    """Ctrl+C and SIGTERM raise KeyboardInterrupt in the main thread, so `finally` blocks leave the swarm cleanly."""
+    """Ctrl+C and SIGTERM raise KeyboardInterrupt in the main thread, so `finally` blocks leave the swarm cleanly; an
+    error another thread hands over with `interrupt_main` is raised there the same way."""
+    global _handling
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, _frame: object) -> None:
         global _pending_interrupt
+        if isinstance(_pending_interrupt, BaseException):  # interrupt_main's error: raised where the thread waits
+            _delivered.set()
+            raise _pending_interrupt
         _pending_interrupt = f"received {signal.Signals(signum).name}"
         raise KeyboardInterrupt(_pending_interrupt)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _handling = True
     try:
         yield
     finally:
+        _handling = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         clear_interrupt()
 
 
-_pending_interrupt: str | None = None
+_pending_interrupt: str | BaseException | None = None
+_handling = False  # the main thread runs under interrupt_on_signals
+_delivered = threading.Event()  # the main thread raised interrupt_main's error
+INTERRUPT_GRACE = 2.0  # seconds the main thread has to reach a step (and raise there) before a signal interrupts it
+
+
+def interrupt_main(error: BaseException, grace: float = INTERRUPT_GRACE) -> bool:
+    """From another thread: make the main thread raise `error`. It raises at its next optimizer step (a point between
+    steps: `raise_if_interrupted`); if it has not within `grace` seconds (it waits for an answer that will not come),
+    a signal interrupts it where it is, as Ctrl+C would (`interrupt_on_signals`). False, and nothing done, when the
+    main thread does not run under `interrupt_on_signals`."""
+    global _pending_interrupt
+    if not _handling or _pending_interrupt is not None:  # (a Ctrl+C first: that one is the reason to stop)
+        return False
+    _delivered.clear()
+    _pending_interrupt = error
+    main = threading.main_thread().ident
+
+    def interrupt_if_still_waiting() -> None:
+        if not _delivered.wait(grace) and _handling and _pending_interrupt is error and main is not None:
+            signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_if_still_waiting, name="trahiv-interrupt", daemon=True).start()
+    return True
 
 
 def raise_if_interrupted() -> None:
-    """Raise the KeyboardInterrupt of a Ctrl+C / SIGTERM received under `interrupt_on_signals`, again: hivemind 1.1.12
-    catches BaseException around its averaging waits ("Averaging gradients failed with KeyboardInterrupt ...
-    Proceeding with local gradients"), so a signal arriving there would otherwise be swallowed and training go on."""
+    """Raise the KeyboardInterrupt of a Ctrl+C / SIGTERM received under `interrupt_on_signals` (or `interrupt_main`'s
+    error), again: hivemind 1.1.12 catches BaseException around its averaging waits ("Averaging gradients failed with
+    KeyboardInterrupt ... Proceeding with local gradients"), so a signal arriving there would otherwise be swallowed
+    and training go on."""
+    if isinstance(_pending_interrupt, BaseException):
+        _delivered.set()
+        raise _pending_interrupt
     if _pending_interrupt is not None:
         raise KeyboardInterrupt(_pending_interrupt)
 
@@ -196,6 +230,18 @@ def kill_descendants(pid: int | None = None, sig: int = signal.SIGKILL) -> list[
         with contextlib.suppress(psutil.NoSuchProcess):
             child.send_signal(sig)
     return [child.pid for child in children]
+
+
+def kill_if_named(pid: int | None, name: str) -> None:
+    """SIGKILL process `pid` if it still runs under `name` (a pid recorded earlier: not one the system reused)."""
+    import psutil
+
+    if pid is None:
+        return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        process = psutil.Process(pid)
+        if name in process.name():
+            process.kill()
 
 
 def kill_engine_processes(processes: Any) -> None:

@@ -797,6 +797,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return True
 
     def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        fixes.raise_if_interrupted()  # (a lost engine process: stop between steps, see trahiv.engine.liveness)
         batch_size = batch_size if batch_size is not None else self.pending_batch_size
         self.pending_batch_size = None
         self._key_rounds_by_step()

@@ -1,0 +1,117 @@
+"""A peer's engine processes, watched: the DHT process, its p2p daemon and the averagers.
+
+A peer talks to the swarm only through them. When one of them ends while the peer still runs (killed by the kernel's
+OOM killer, a crash, a stray `kill`), hivemind 1.1.12 never notices: every DHT read waits for an answer that will not
+come, so the trainer hung in its next progress read, silently, for good; with p2pd gone the DHT answered from its
+cache, and the peer went on training alone while the others waited for it in every round (averaging_timeout each).
+`EngineWatch` waits on the processes' sentinels (and polls p2pd, the DHT process's child) and calls `on_lost` once with
+a sentence that says which process ended and how; the peer's own shutdown closes the watch first. A trainer
+(`trahiv.swarm.Swarm`) then stops with that sentence: at its next optimizer step, or, if it waits for an answer that
+will not come, where it waits (`trahiv.engine.fixes.interrupt_main`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+logger = logging.getLogger("trahiv.engine")
+
+__all__ = ["LIVENESS_PERIOD", "EngineWatch", "describe_exit"]
+
+LIVENESS_PERIOD = 1.0  # seconds between looks at p2pd (the other processes wake the watch as they end)
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "ended"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer sends it, as does kill -9)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+def _p2pd_of(dht_pid: int) -> int | None:
+    import psutil
+
+    try:
+        return next((c.pid for c in psutil.Process(dht_pid).children() if "p2pd" in c.name()), None)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class EngineWatch:
+    """Calls `on_lost(reason)` once if a process of `processes()` (re-read every LIVENESS_PERIOD: averagers start after
+    the DHT) or the DHT process's p2p daemon ends before `close()`."""
+
+    def __init__(self, dht: Any, processes: Callable[[], Sequence[Any]], on_lost: Callable[[str], None]):
+        self.dht, self.processes, self.on_lost = dht, processes, on_lost
+        self.p2pd_pid = _p2pd_of(dht.pid) if dht.pid is not None else None
+        self.lost: str | None = None
+        self._stop_read, self._stop_write = os.pipe()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trahiv-engine-watch", daemon=True)
+
+    def start(self) -> EngineWatch:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop watching (before this peer shuts its engine down on purpose)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        os.write(self._stop_write, b"x")
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(LIVENESS_PERIOD + 1.0)
+        for fd in (self._stop_read, self._stop_write):
+            os.close(fd)
+
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as e:  # (a process object closed under the watch) the peer runs on, unwatched
+            if not self._closed.is_set():
+                logger.debug(f"Engine watch stopped: {e!r}")
+
+    def _watch(self) -> None:
+        while not self._closed.is_set():
+            watched = [p for p in self.processes() if getattr(p, "pid", None) is not None]
+            wait([self._stop_read, *(p.sentinel for p in watched)], timeout=LIVENESS_PERIOD)
+            if self._closed.is_set():
+                return
+            reason = self._check(watched)
+            if reason is not None:
+                self.lost = reason
+                logger.debug(f"Engine watch: {reason}")
+                self.on_lost(reason)
+                return
+
+    def _check(self, watched: Sequence[Any]) -> str | None:
+        for process in watched:
+            code = process.exitcode
+            if code is not None:
+                what = "DHT process" if process is self.dht else f"{type(process).__name__} process"
+                return f"its {what} (pid {process.pid}) {describe_exit(code)}"
+        if self.p2pd_pid is not None and _gone(self.p2pd_pid):
+            return f"its p2p daemon (p2pd, pid {self.p2pd_pid}) ended"
+        return None
