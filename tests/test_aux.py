@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from swarm_helpers import ENV, start_peer, stop, wait_for
+from swarm_helpers import ENV, alive, process_tree, start_peer, stop, wait_for
 
 from trahiv.auxiliary.collector import Collector, aggregate_step
 from trahiv.auxiliary.store import MetricsStore, default_store_url
@@ -367,6 +367,25 @@ def start_aux(tmp: Path, name: str, output_dir: Path, *extra: str) -> SimpleName
 
     initial_peers = wait_for(addresses, 90, "trahiv aux to start")
     return SimpleNamespace(process=process, initial_peers=initial_peers, log=log)
+
+
+def test_an_aux_peer_whose_p2p_daemon_dies_says_so_and_exits(tmp_path):
+    """`trahiv aux` whose p2pd is killed (the OOM killer): one line naming it, exit code 1, nothing left running.
+    Before, its DHT process lived on, so the command went on as an aux peer that no trainer could reach."""
+    import psutil
+
+    aux = start_aux(tmp_path, "aux", tmp_path / "out")
+    try:
+        tree = process_tree(aux.process.pid)
+        dht = next(
+            p for p in psutil.Process(aux.process.pid).children() if any("p2pd" in c.name() for c in p.children())
+        )
+        next(c for c in dht.children() if "p2pd" in c.name()).kill()
+        assert aux.process.wait(timeout=30) == 1
+    finally:
+        stop(aux.process)
+    assert re.search(r"The auxiliary peer stopped: its p2p daemon \(p2pd, pid \d+\) ended", aux.log.read_text())
+    wait_for(lambda: not alive(tree), 10, "the aux peer's processes to exit")
 
 
 def expected_steps(peers) -> dict[int, dict]:

@@ -45,6 +45,33 @@ def test_dht_prints_join_addresses_keeps_identity_and_stops_on_sigterm(tmp_path)
     assert ids[0] == ids[1]
 
 
+@pytest.mark.parametrize("victim", ["dht", "p2pd"])
+def test_a_bootstrap_peer_whose_engine_process_dies_says_so_and_exits(tmp_path, victim):
+    """`trahiv dht` whose DHT process or p2pd is killed (the OOM killer): one line naming the process, exit code 1,
+    nothing left running. Before, a dead p2pd left the command running as a bootstrap peer nobody could reach."""
+    import psutil
+
+    process = subprocess.Popen([*TRAHIV, "dht", "--no-nat-port-map"], env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert "To join the training" in process.stdout.readline()
+        tree = wait_for(lambda: len(process_tree(process.pid)) >= 3 and process_tree(process.pid), 20, "p2pd")
+        dht = next(p for p in psutil.Process(process.pid).children() if any("p2pd" in c.name() for c in p.children()))
+        (dht if victim == "dht" else next(c for c in dht.children() if "p2pd" in c.name())).kill()
+        assert process.wait(timeout=20) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = process.stderr.read()
+    what = (
+        r"its DHT process \(pid \d+\) was killed by SIGKILL"
+        if victim == "dht"
+        else r"its p2p daemon \(p2pd, pid \d+\) ended"
+    )
+    assert re.search(rf"The bootstrap peer stopped: {what}", stderr), stderr
+    wait_for(lambda: not alive(tree), 5, "the DHT and p2pd to exit")
+
+
 def test_bad_cli_input_is_a_clean_error():
     result = subprocess.run(
         [*TRAHIV, "dht", "--no-nat-port-map", "--initial-peers", "127.0.0.1:31337"],

@@ -6,6 +6,8 @@ step in the middle failed). `join_swarm` is the one sequence, recorded in a `Lif
 
     auth      trade the user token for an access token (before the DHT: a refused peer stops here)
     dht       start the DHT (signed requests with the access token)      stop: dht.shutdown()
+    engine watch  with `on_engine_lost`: the DHT, its p2pd and the        stop: watch.close() (before the DHT and the
+              caller's engine processes watched (trahiv.engine.liveness)       averagers stop on purpose)
     token     publish the access token in the DHT and renew it           stop: auth.close() (no renewal while the DHT
                                                                                stops; removes a temporary identity)
     watchers  follow moderators' revert orders (trahiv.revert)           stop: watcher.close()
@@ -19,13 +21,14 @@ Light to import: hivemind and torch load only when `join_swarm` runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from trahiv.auth import PeerAuth
     from trahiv.config import DHTConfig
+    from trahiv.engine.liveness import EngineWatch
     from trahiv.revert import RevertWatcher
 
 __all__ = ["Lifecycle", "Membership", "join_swarm"]
@@ -74,11 +77,13 @@ class Lifecycle:
 
 @dataclass
 class Membership:
-    """What `join_swarm` started: the DHT, the access token (moderated swarm) and the revert-order watcher."""
+    """What `join_swarm` started: the DHT, the engine watch, the access token (moderated swarm) and the revert-order
+    watcher."""
 
     dht: Any
     auth: PeerAuth | None = None
     revert_watcher: RevertWatcher | None = None
+    engine_watch: EngineWatch | None = None
 
 
 def join_swarm(
@@ -89,12 +94,16 @@ def join_swarm(
     run_id: str | None = None,
     contribution: Callable[[], tuple[int, int]] | None = None,
     watch_reverts: bool = True,
+    on_engine_lost: Callable[[str], None] | None = None,
+    engine_processes: Callable[[], Sequence[Any]] | None = None,
 ) -> Membership:
     """auth -> DHT -> token -> watchers, recorded in `life`; on failure, what started is stopped and the error raised.
 
     auth: starts this peer's access token (e.g. `trahiv.swarm._start_auth(config)`), or returns None in an open swarm.
     contribution: (samples, collaborative step) reported when the token is renewed (trainers only).
-    watch_reverts: follow moderators' revert orders of run `run_id` (a moderated swarm only)."""
+    watch_reverts: follow moderators' revert orders of run `run_id` (a moderated swarm only).
+    on_engine_lost: called once, with a sentence saying what ended and how, if the DHT process, its p2pd or a process
+    of `engine_processes()` (the DHT's by default; re-read as averagers start) ends before the watch is stopped."""
     from trahiv.swarm import start_dht
 
     try:
@@ -102,6 +111,10 @@ def join_swarm(
         extra = peer_auth.dht_kwargs() if peer_auth is not None else {}
         dht = life.enter("dht", lambda: start_dht(dht_config, **extra), _shutdown_dht)
         member = Membership(dht, peer_auth)
+        if on_engine_lost is not None:
+            member.engine_watch = life.enter(
+                "engine watch", lambda: _watch_engine(dht, engine_processes, on_engine_lost), _close
+            )
         if peer_auth is None:
             return member
         life.enter("token", lambda: peer_auth.attach(dht, contribution), lambda _: peer_auth.close())
@@ -113,6 +126,14 @@ def join_swarm(
     except BaseException:
         life.close()
         raise
+
+
+def _watch_engine(
+    dht: Any, processes: Callable[[], Sequence[Any]] | None, on_lost: Callable[[str], None]
+) -> EngineWatch:
+    from trahiv.engine.liveness import EngineWatch
+
+    return EngineWatch(dht, processes or (lambda: [dht]), on_lost).start()
 
 
 def _watch_reverts(dht: Any, run_id: str, peer_auth: PeerAuth) -> RevertWatcher:

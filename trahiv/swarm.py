@@ -23,7 +23,6 @@ from trahiv.config import DHTConfig, HivemindConfig
 from trahiv.engine import fixes
 from trahiv.engine.averagers import ReportingGradientAverager, RobustGradientAverager
 from trahiv.engine.gate import gated
-from trahiv.engine.liveness import EngineWatch
 from trahiv.engine.optimizer import (
     SwarmOptimizer,
     grad_averager_factory,
@@ -211,13 +210,15 @@ class Swarm:
         # auth (before the DHT: a refused peer stops here, with the server's reason) -> DHT -> token -> moderators'
         # revert orders; `shutdown` stops them in reverse order (trahiv.lifecycle)
         self.lifecycle = Lifecycle()
+        self.optimizer: SwarmOptimizer | None = None
+        self.diloco: Any = None  # [DiLoCo] trahiv.diloco.DiLoCoOptimizer, instead of `optimizer`, in DiLoCo mode
+        # the engine's processes watched (the watch stops first at shutdown: a process ended on purpose is no loss)
         member = join_swarm(self.lifecycle, config.dht, auth=lambda: _start_auth(config), run_id=config.opt.run_id,
-                            contribution=self._contribution)  # fmt: skip
+                            contribution=self._contribution, on_engine_lost=self._engine_lost,
+                            engine_processes=self.engine_processes)  # fmt: skip
         self.auth: PeerAuth | None = member.auth
         self.dht = member.dht
         self.revert_watcher: RevertWatcher | None = member.revert_watcher
-        self.optimizer: SwarmOptimizer | None = None
-        self.diloco: Any = None  # [DiLoCo] trahiv.diloco.DiLoCoOptimizer, instead of `optimizer`, in DiLoCo mode
         self.started_at = time.monotonic()
         self._model: dict[str, Any] | None = None
         self._model_published_at = -float("inf")
@@ -226,11 +227,6 @@ class Swarm:
             name = config.metrics.name or (self.auth.username[:32] if self.auth is not None else None)  # leaderboard
             self.metrics_publisher = MetricsPublisher(self.dht, self.run_id, peer_id=self.peer_id, name=name)
         self._samples_at_last_record = 0
-        # the engine's processes watched (closed first at shutdown: a process ended on purpose is not a loss)
-        self.engine_watch = self.lifecycle.enter(
-            "engine watch", lambda: EngineWatch(self.dht, self.engine_processes, self._engine_lost).start(),
-            lambda watch: watch.close(),
-        )  # fmt: skip
         for line in connectivity.join_lines(
             join_addresses(self.dht), config.dht.initial_peers, client_mode=self.dht.client_mode
         ):
@@ -481,7 +477,7 @@ class Swarm:
 
     def engine_processes(self) -> list[Any]:
         """The engine's child processes of this peer (DHT, averagers); p2pd runs under the DHT process."""
-        procs = [self.dht]
+        procs = [getattr(self, "dht", None)]  # (the engine watch asks as soon as the DHT runs, before it is set here)
         if self.diloco is not None:  # [DiLoCo]
             procs += self.diloco.averagers  # (one per fragment)
         if self.optimizer is not None:
@@ -509,5 +505,3 @@ class Swarm:
         closer.start()
         closer.join(timeout)
         fixes.kill_engine_processes(processes)  # whatever did not stop in time, with its children (p2pd)
-        if self.engine_watch.lost is not None:  # a DHT process killed under this peer left its p2pd behind
-            fixes.kill_if_named(self.engine_watch.p2pd_pid, "p2pd")

@@ -76,6 +76,7 @@ class AuxPeer:
         self.services: list[AuxService] = []
         self._started: list[AuxService] = []
         self._lifecycle = Lifecycle()  # auth -> DHT -> token -> watchers (trahiv.lifecycle)
+        self.lost: str | None = None  # what ended under this peer (its DHT process, its p2pd: trahiv.engine.liveness)
 
     @property
     def run_id(self) -> str:
@@ -110,7 +111,7 @@ class AuxPeer:
             # auth (a refused peer stops here, with the server's reason) -> DHT -> token (published and renewed; an
             # aux peer contributes no samples) -> moderators' revert orders; `stop` undoes them in reverse order
             member = join_swarm(self._lifecycle, self.config.dht, auth=lambda: _start_auth(self.config),
-                                run_id=self.run_id)  # fmt: skip
+                                run_id=self.run_id, on_engine_lost=self._engine_lost)  # fmt: skip
             self.auth, self.dht, self.revert_watcher = member.auth, member.dht, member.revert_watcher
             add_metrics_validators(self.dht, self.run_id)
             self.initial_peers = join_addresses(self.dht)
@@ -156,7 +157,10 @@ class AuxPeer:
         return trackers
 
     def alive(self) -> bool:
-        return self.dht is not None and self.dht.is_alive()
+        return self.dht is not None and self.dht.is_alive() and self.lost is None
+
+    def _engine_lost(self, reason: str) -> None:  # (trahiv.engine.liveness) the command stops: see `alive`
+        self.lost = reason
 
     def stop(self) -> None:
         """Stop the services (reverse order), the collector (logging the steps not logged yet), the DHT, the store."""

@@ -99,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
         finally:
             peer.stop()
     if crashed:
-        print("The DHT process stopped unexpectedly", file=sys.stderr)
+        print(f"The auxiliary peer stopped: {peer.lost or 'its DHT process ended'}", file=sys.stderr)
         return 1
     return 0

@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from trahiv.swarm import join_addresses
 
     lifecycle = Lifecycle()  # auth -> DHT -> token; no revert watcher (a bootstrap peer holds no model)
-    dht = join_swarm(lifecycle, config, auth=lambda: _start_auth(args, config, token), watch_reverts=False).dht
+    lost: list[str] = []  # what ended under this peer (its DHT process, its p2pd: trahiv.engine.liveness)
+    dht = join_swarm(lifecycle, config, auth=lambda: _start_auth(args, config, token), watch_reverts=False,
+                     on_engine_lost=lost.append).dht  # fmt: skip
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         with interrupt_on_signals():  # before announcing: a SIGTERM right after the address is printed stops cleanly
@@ -53,16 +55,16 @@ def run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
             if args.addresses_file:
                 write_addresses(args.addresses_file, addresses)
-            while dht.is_alive() and (deadline is None or time.monotonic() < deadline):
+            while not lost and dht.is_alive() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.5)
     except KeyboardInterrupt:
         print("Stopping the bootstrap peer", file=sys.stderr)
         return 0
     finally:
-        crashed = not dht.is_alive()
+        crashed = lost[:1] or (["its DHT process ended"] if not dht.is_alive() else [])
         lifecycle.close()  # the token (no renewal while the DHT stops), then the DHT
     if crashed:
-        print("The DHT process stopped unexpectedly", file=sys.stderr)
+        print(f"The bootstrap peer stopped: {crashed[0]}", file=sys.stderr)
         return 1
     return 0
 

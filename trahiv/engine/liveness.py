@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from trahiv.engine.fixes import kill_engine_processes, kill_if_named
+
 logger = logging.getLogger("trahiv.engine")
 
 __all__ = ["LIVENESS_PERIOD", "EngineWatch", "describe_exit"]
@@ -60,8 +62,8 @@ def _gone(pid: int) -> bool:
 
 
 class EngineWatch:
-    """Calls `on_lost(reason)` once if a process of `processes()` (re-read every LIVENESS_PERIOD: averagers start after
-    the DHT) or the DHT process's p2p daemon ends before `close()`."""
+    """Calls `on_lost(reason)` once if the DHT process, its p2p daemon or a process of `processes()` (re-read every
+    LIVENESS_PERIOD: averagers start after the DHT) ends before `close()`."""
 
     def __init__(self, dht: Any, processes: Callable[[], Sequence[Any]], on_lost: Callable[[str], None]):
         self.dht, self.processes, self.on_lost = dht, processes, on_lost
@@ -76,7 +78,10 @@ class EngineWatch:
         return self
 
     def close(self) -> None:
-        """Stop watching (before this peer shuts its engine down on purpose)."""
+        """Stop watching (before this peer shuts its engine down on purpose). After a loss of the DHT process or p2pd,
+        what is left of the pair is killed: the p2pd that a killed DHT process left behind (no longer the peer's
+        descendant, so not stopped with it), or the DHT process of a p2pd that ended (it cannot leave the swarm
+        gracefully without it: hivemind waited out its 3 s grace period, then terminated it)."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -85,6 +90,9 @@ class EngineWatch:
             self._thread.join(LIVENESS_PERIOD + 1.0)
         for fd in (self._stop_read, self._stop_write):
             os.close(fd)
+        if self.lost is not None and (self.dht.exitcode is not None or self.p2pd_pid is None or _gone(self.p2pd_pid)):
+            kill_engine_processes([self.dht])
+            kill_if_named(self.p2pd_pid, "p2pd")
 
     def _run(self) -> None:
         try:
@@ -95,7 +103,8 @@ class EngineWatch:
 
     def _watch(self) -> None:
         while not self._closed.is_set():
-            watched = [p for p in self.processes() if getattr(p, "pid", None) is not None]
+            others = [p for p in self.processes() if p is not self.dht and getattr(p, "pid", None) is not None]
+            watched = [self.dht, *others]
             wait([self._stop_read, *(p.sentinel for p in watched)], timeout=LIVENESS_PERIOD)
             if self._closed.is_set():
                 return
