@@ -84,6 +84,8 @@ PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
 STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the swarm's pace + 1 s: not waited for
 PING_AGAIN_S = 10.0  # seconds: a peer far behind that answered a ping is asked again after this (`_gone`)
+PING_SILENT_S = 5.0  # seconds: a record within a step of this peer's, this old, is checked with a ping too (`_gone`)
+PINGS_UNANSWERED = 2  # pings in a row a peer leaves unanswered before it is left out (an overloaded one may miss one)
 PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins (`_may_promise`)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 DHT_READ_TIMEOUT = 10.0  # seconds: a read of the DHT from a background wait that gets no answer counts as none
@@ -146,7 +148,8 @@ class SwarmProgressTracker(ProgressTracker):
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
-        self._pings: dict[bytes, tuple[float, float, Any]] = {}  # peer -> (record time, when pinged, future): `_gone`
+        # peer -> (record time, when pinged, future, pings it left unanswered before this one): `_gone`
+        self._pings: dict[bytes, tuple[float, float, Any, int]] = {}
         super().__init__(*args, **kwargs)
 
     def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> LocalTrainingProgress:
@@ -310,31 +313,49 @@ class SwarmProgressTracker(ProgressTracker):
     def _without_the_gone(
         self, records: dict[Any, tuple[LocalTrainingProgress, float]]
     ) -> dict[Any, tuple[LocalTrainingProgress, float]]:
-        """Leave out the records of peers two or more steps behind this one that do not answer a DHT ping. A SIGKILLed
-        peer's record outlives it (hivemind's `metadata_expiration`, 60 s), and a survivor left alone with it searched
-        for a group at every step until `averaging_timeout` (the last peer of `test_faults.py`'s late-join test: 50 s
-        of its 81). Two steps behind alone did not tell it from a live peer stuck in a failed round (a late joiner
-        beside a busy core: the others stopped counting it and finished without it), so the peer is asked; one that
-        answers, is in client mode (it serves no pings) or is at most one step behind counts, as before."""
-        floor, own = self.local_progress.epoch - 1, self.dht.peer_id.to_bytes()
+        """Leave out the records of peers that do not answer DHT pings: those two or more steps behind this one, and
+        those within a step whose record is older than PING_SILENT_S. A peer that died (SIGKILL, its engine process
+        lost: trahiv.engine.liveness) leaves a record that outlives it (hivemind's `metadata_expiration`, 60 s), and a
+        survivor left alone with it searched for a group at every step until `averaging_timeout`: 50 s of the last
+        peer's 81 in `test_faults.py`'s late-join test, then (a dead peer within one step counted until it was two
+        behind) 90 s in a 2-peer swarm with the default timeout. Behind or silent alone does not tell a dead peer
+        from a live one (a late joiner stuck in a failed round beside a busy core; a peer whose local steps take
+        longer than PING_SILENT_S): the peer is asked. One that answers, is in client mode (it serves no pings), or
+        whose record is recent (or this peer has no samples in its step yet) and within a step counts, as before."""
+        floor, own, now = self.local_progress.epoch - 1, self.dht.peer_id.to_bytes(), get_dht_time()
+        # (silence counts while this peer trains its step: idle peers renew their records only every 30 s, and asking
+        # each of them every PING_AGAIN_S would make an idle peer's traffic grow with the swarm)
+        silent_after = PING_SILENT_S if self.local_progress.samples_accumulated > 0 else math.inf
         for peer in self._pings.keys() - {record.peer_id for record, _ in records.values()}:
             del self._pings[peer]  # its record expired
         return {
             key: (record, expiration)
             for key, (record, expiration) in records.items()
-            if record.epoch >= floor or record.peer_id == own or record.client_mode or not self._gone(record)
+            if record.peer_id == own
+            or record.client_mode
+            or (record.epoch >= floor and now - record.time < silent_after)
+            or not self._gone(record)
         }
 
     def _gone(self, record: LocalTrainingProgress) -> bool:
-        """Whether the peer of this record did not answer a ping sent since the record was published. Pings are sent
-        in the background (the DHT process answers the future), one per record, again PING_AGAIN_S after an answer;
-        until one is answered the peer counts."""
+        """Whether the peer of this record left PINGS_UNANSWERED pings in a row unanswered, all sent since the record
+        was published. Pings are sent in the background (the DHT process answers the future), one at a time per
+        record: again at once after one unanswered, PING_AGAIN_S after an answer; until then the peer counts."""
         now, ping = time.monotonic(), self._pings.get(record.peer_id)
-        gone = ping is not None and ping[0] == record.time and ping[2].done() and self._unanswered(ping[2])
-        if ping is None or ping[0] != record.time or (ping[2].done() and now - ping[1] > PING_AGAIN_S):
-            peer = PeerID(record.peer_id).to_base58()
-            self._pings[record.peer_id] = (record.time, now, unreachable_peers_future(self.dht, [peer]))
-        return gone
+        if ping is not None and ping[0] == record.time and ping[2].done():
+            missed = ping[3] + 1 if self._unanswered(ping[2]) else 0
+            if missed >= PINGS_UNANSWERED:
+                return True
+            if missed or now - ping[1] > PING_AGAIN_S:
+                ping = self._ping(record, now, missed)
+        elif ping is None or ping[0] != record.time:
+            self._ping(record, now, 0)
+        return False
+
+    def _ping(self, record: LocalTrainingProgress, now: float, missed: int) -> tuple[float, float, Any, int]:
+        peer = PeerID(record.peer_id).to_base58()
+        self._pings[record.peer_id] = ping = (record.time, now, unreachable_peers_future(self.dht, [peer]), missed)
+        return ping
 
     @staticmethod
     def _unanswered(future: Any) -> bool:
