@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -160,6 +161,18 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return result
+
+
+def wait_exited(pids: list[int], timeout: float, what: str) -> None:
+    """Wait until none of `pids` runs (each exits with its parent, or is killed); fail naming those left."""
+    deadline = time.monotonic() + timeout
+    while (left := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = []
+    for pid in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(f"{pid} {psutil.Process(pid).name()} (parent {psutil.Process(pid).ppid()})")
+    assert not names, f"{what}: still running after {timeout:.0f} s: {names}"
 
 
 def process_tree(pid: int) -> list[int]:

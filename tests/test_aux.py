@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from swarm_helpers import ENV, alive, process_tree, start_peer, stop, wait_for
+from swarm_helpers import ENV, process_tree, start_peer, stop, wait_exited, wait_for
 
 from trahiv.auxiliary.collector import Collector, aggregate_step
 from trahiv.auxiliary.store import MetricsStore, default_store_url
@@ -385,7 +385,7 @@ def test_an_aux_peer_whose_p2p_daemon_dies_says_so_and_exits(tmp_path):
     finally:
         stop(aux.process)
     assert re.search(r"The auxiliary peer stopped: its p2p daemon \(p2pd, pid \d+\) ended", aux.log.read_text())
-    wait_for(lambda: not alive(tree), 10, "the aux peer's processes to exit")
+    wait_exited(tree, 10, "the aux peer's processes")
 
 
 def expected_steps(peers) -> dict[int, dict]:

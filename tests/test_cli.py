@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from swarm_helpers import ENV, alive, process_tree, wait_for
+from swarm_helpers import ENV, alive, process_tree, wait_exited, wait_for
 
 TRAHIV = [sys.executable, "-m", "trahiv.cli.main"]
 # the demo splits the cores between its trainers itself, unless told otherwise (the tests' ENV gives peers 1 thread)
@@ -69,7 +69,7 @@ def test_a_bootstrap_peer_whose_engine_process_dies_says_so_and_exits(tmp_path, 
         else r"its p2p daemon \(p2pd, pid \d+\) ended"
     )
     assert re.search(rf"The bootstrap peer stopped: {what}", stderr), stderr
-    wait_for(lambda: not alive(tree), 5, "the DHT and p2pd to exit")
+    wait_exited(tree, 10, "the DHT and p2pd")
 
 
 def test_bad_cli_input_is_a_clean_error():

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from swarm_helpers import alive, process_tree, start_bootstrap, start_peer, wait_for
+from swarm_helpers import alive, process_tree, start_bootstrap, start_peer, wait_exited, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -163,7 +163,7 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     assert "SwarmLostError" in log.strip().splitlines()[-1], log[-3000:]
     fired = next(row for row in b.records() if row["kind"] == "fault")
     assert fired["step"] == 3
-    assert alive(tree) == [], f"left running: {alive(tree)}"
+    wait_exited(tree, 10, "b's processes")
     assert done["global_step"] == 8
 
 

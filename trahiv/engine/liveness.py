@@ -27,6 +27,7 @@ logger = logging.getLogger("trahiv.engine")
 __all__ = ["LIVENESS_PERIOD", "EngineWatch", "describe_exit"]
 
 LIVENESS_PERIOD = 1.0  # seconds between looks at p2pd (the other processes wake the watch as they end)
+P2PD_AFTER_DHT_S = 2.0  # seconds a DHT process whose p2pd ended has to be seen ending too (then the DHT is named)
 
 
 def describe_exit(code: int | None) -> str:
@@ -122,5 +123,10 @@ class EngineWatch:
                 what = "DHT process" if process is self.dht else f"{type(process).__name__} process"
                 return f"its {what} (pid {process.pid}) {describe_exit(code)}"
         if self.p2pd_pid is not None and _gone(self.p2pd_pid):
+            # a killed DHT process takes its p2pd along (p2pd exits with its parent) and may itself be reapable only
+            # later: on a busy CPU its p2pd was found gone first, and the DHT process's death was reported as p2pd's
+            wait([self.dht.sentinel], timeout=P2PD_AFTER_DHT_S)
+            if self.dht.exitcode is not None:
+                return f"its DHT process (pid {self.dht.pid}) {describe_exit(self.dht.exitcode)}"
             return f"its p2p daemon (p2pd, pid {self.p2pd_pid}) ended"
         return None
