@@ -77,13 +77,11 @@ class Lifecycle:
 
 @dataclass
 class Membership:
-    """What `join_swarm` started: the DHT, the engine watch, the access token (moderated swarm) and the revert-order
-    watcher."""
+    """What `join_swarm` started: the DHT, the access token (moderated swarm) and the revert-order watcher."""
 
     dht: Any
     auth: PeerAuth | None = None
     revert_watcher: RevertWatcher | None = None
-    engine_watch: EngineWatch | None = None
 
 
 def join_swarm(
@@ -112,9 +110,7 @@ def join_swarm(
         dht = life.enter("dht", lambda: start_dht(dht_config, **extra), _shutdown_dht)
         member = Membership(dht, peer_auth)
         if on_engine_lost is not None:
-            member.engine_watch = life.enter(
-                "engine watch", lambda: _watch_engine(dht, engine_processes, on_engine_lost), _close
-            )
+            life.enter("engine watch", lambda: _watch_engine(dht, engine_processes, on_engine_lost), _close)
         if peer_auth is None:
             return member
         life.enter("token", lambda: peer_auth.attach(dht, contribution), lambda _: peer_auth.close())
@@ -133,7 +129,7 @@ def _watch_engine(
 ) -> EngineWatch:
     from trahiv.engine.liveness import EngineWatch
 
-    return EngineWatch(dht, processes or (lambda: [dht]), on_lost).start()
+    return EngineWatch(dht, processes or (lambda: []), on_lost).start()  # (the DHT and its p2pd: always)
 
 
 def _watch_reverts(dht: Any, run_id: str, peer_auth: PeerAuth) -> RevertWatcher:
