@@ -274,6 +274,41 @@ def test_the_engine_watch_says_which_process_ended_and_how(ended):
     assert len(calls) <= 1
 
 
+def test_the_engine_watch_names_a_killed_dht_process_that_cannot_be_reaped_yet():
+    """A killed process's sentinel is readable as soon as the kernel closed its files, a moment before it can be
+    reaped; its p2pd exits with it. Stop 45's CI run (busy CPU) looked in that moment and named the p2pd: `trahiv dht`
+    said "its p2p daemon (p2pd, pid N) ended" for a killed DHT process. The watch waits for such a process to be
+    reaped (`join`) before it reads the exit code."""
+    from trahiv.engine.liveness import EngineWatch
+
+    gone = subprocess.Popen(["true"])  # a pid that has ended and been reaped: the p2pd, gone with its DHT process
+    gone.wait()
+
+    class Ending:  # the DHT process in that moment: sentinel readable, no exit code until waited for
+        pid, exitcode = gone.pid, None
+
+        def __init__(self):
+            self.sentinel, write = os.pipe()
+            os.close(write)
+
+        def join(self, timeout=None):
+            self.exitcode = -signal.SIGKILL
+
+        def is_alive(self):
+            return self.exitcode is None
+
+    dht, calls = Ending(), []
+    watch = EngineWatch(dht, lambda: [dht], calls.append)
+    watch.p2pd_pid = gone.pid
+    try:
+        watch.start()
+        wait_for(lambda: calls, 5, "the watch to see the DHT process end")
+        assert calls[0].startswith(f"its DHT process (pid {gone.pid}) was killed by SIGKILL"), calls
+    finally:
+        watch.close()
+        os.close(dht.sentinel)
+
+
 def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
     """hivemind's Optimizer.load_state_from_peers moves a peer one step behind the swarm to the swarm's step without
     its LR schedule ("Catching up with collaboration step"): its next step ran with the previous step's LR (a test

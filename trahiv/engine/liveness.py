@@ -117,7 +117,14 @@ class EngineWatch:
                 return
 
     def _check(self, watched: Sequence[Any]) -> str | None:
+        ended = wait([p.sentinel for p in watched], timeout=0)
         for process in watched:
+            if process.sentinel in ended:
+                # A sentinel is readable once the kernel has closed the process's files, a moment before the process
+                # can be reaped: `exitcode` (waitpid without waiting) may still read None then; on a busy CPU the
+                # watch looked in that moment and named a killed DHT process's p2pd instead (stop 45's CI run).
+                # `join` blocks in waitpid until the process is reaped.
+                process.join(P2PD_AFTER_DHT_S)
             code = process.exitcode
             if code is not None:
                 what = "DHT process" if process is self.dht else f"{type(process).__name__} process"
@@ -125,7 +132,7 @@ class EngineWatch:
         if self.p2pd_pid is not None and _gone(self.p2pd_pid):
             # a killed DHT process takes its p2pd along (p2pd exits with its parent) and may itself be reapable only
             # later: on a busy CPU its p2pd was found gone first, and the DHT process's death was reported as p2pd's
-            wait([self.dht.sentinel], timeout=P2PD_AFTER_DHT_S)
+            self.dht.join(P2PD_AFTER_DHT_S)
             if self.dht.exitcode is not None:
                 return f"its DHT process (pid {self.dht.pid}) {describe_exit(self.dht.exitcode)}"
             return f"its p2p daemon (p2pd, pid {self.p2pd_pid}) ended"
