@@ -229,11 +229,11 @@ def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way(monkeyp
 SIZE = 2**18  # values averaged: two parts of hivemind's 512 KiB, one reduced by each (1,000 values: one part)
 
 
-def group_ends_meanwhile(parts: Any) -> type[ReportingAverager]:
+def group_ends_meanwhile(parts: Any, answered: Any) -> type[ReportingAverager]:
     class GroupEndsMeanwhile(ReportingAverager):
-        """Counts the part streams that reach it (`parts`), and once its step found its group (awaiting its trigger),
-        sets hivemind's "a group registered" event as another round of this averager that ends then does: in
-        background mode, step k's round ends while step k+1's group awaits its trigger."""
+        """Counts the part streams that reach it (`parts`) and its answers (`answered`), and once its step found its
+        group (awaiting its trigger), sets hivemind's "a group registered" event as another round of this averager
+        that ends then does: in background mode, step k's round ends while step k+1's group awaits its trigger."""
 
         async def _step(self, *, step: Any, future_for_init: Any) -> None:
             async def another_round_ends() -> None:
@@ -253,27 +253,32 @@ def group_ends_meanwhile(parts: Any) -> type[ReportingAverager]:
             with parts.get_lock():
                 parts.value += 1
             async for message in super().rpc_aggregate_part(stream, context):
+                with answered.get_lock():
+                    answered.value += 1
                 yield message
 
     return GroupEndsMeanwhile
 
 
-def run_part_before_trigger(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+def run_part_before_trigger(stack: ExitStack, *, once: str = "reached") -> tuple[list[Any], list[torch.Tensor]]:
     """a's step waits for its trigger, b's begins its all-reduce as the group (of 2) assembles; a is triggered once
-    b's part reached it. Returns each step's result (or exception) and each averager's tensors afterwards."""
+    b's part reached it (`once="reached"`), or once a's handler has answered it ("answered": hivemind's handler answers
+    at once; trahiv's would answer only after the trigger). Returns each step's result (or exception) and each
+    averager's tensors afterwards."""
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
     for dht in dhts:
         stack.callback(dht.shutdown)
-    parts = mp.Value("i", 0)
+    parts, answered = mp.Value("i", 0), mp.Value("i", 0)
     common = dict(prefix="found_group", min_group_size=2, target_group_size=2, min_matchmaking_time=2.0, start=True)
-    a = group_ends_meanwhile(parts)([torch.zeros(SIZE)], dht=dhts[0], **common)
+    a = group_ends_meanwhile(parts, answered)([torch.zeros(SIZE)], dht=dhts[0], **common)
     b = ReportingAverager([torch.ones(SIZE)], dht=dhts[1], **common)
     for averager in (a, b):
         stack.callback(averager.shutdown)
     controls = [a.step(wait=False, require_trigger=True, timeout=20.0, allow_retries=False)]
     controls.append(b.step(wait=False, timeout=20.0, allow_retries=False))
-    wait_for(lambda: parts.value > 0, 30, "b's part at a")
+    counter = {"reached": parts, "answered": answered}[once]
+    wait_for(lambda: counter.value > 0, 30, f"b's part {once} at a")
     controls[0].allow_allreduce()
     results = []
     for control in controls:
@@ -297,12 +302,14 @@ def test_a_part_for_a_group_found_but_not_begun_waits_for_it():
 
 def test_with_hiveminds_handler_the_part_is_turned_away(monkeypatch):
     """The control: hivemind's rpc_aggregate_part, the same timing. a answers b's part with BAD_GROUP_ID: b keeps its
-    own values of the part a reduces, and a's reducer averages without b's: neither ends at the mean."""
+    own values of the part a reduces, and a's reducer averages without b's: neither ends at the mean. a is triggered
+    once its handler has answered: triggered as the part merely reached it, a busy CPU (stop 45's run CA) let the
+    trigger register a's group before hivemind's handler looked, and the part was taken."""
     # the averager processes fork with hivemind's
     monkeypatch.setattr(
         DecentralizedAverager, "rpc_aggregate_part", DecentralizedAverager.rpc_aggregate_part.__wrapped__
     )
     with ExitStack() as stack:
-        results, tensors = run_part_before_trigger(stack)
+        results, tensors = run_part_before_trigger(stack, once="answered")
     assert bool((tensors[1] == 1.0).any()), (results, tensors)  # b kept its own values of the part a turned away
     assert not any(torch.equal(tensor, torch.full((SIZE,), 0.5)) for tensor in tensors), (results, tensors)
