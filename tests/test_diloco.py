@@ -286,9 +286,12 @@ def test_gpt2_peers_identical_after_every_sync_and_a_joiner(tmp_path, workdir, o
     common = {"workdir": str(workdir), "run_id": "diloco_gpt2", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 4, "max_steps": 32, "sleep_per_step": 0.1,
               "diloco": {"compression": "none", "overlap": overlap}}  # fmt: skip
-    # a and b wait for the joiner after their 4th sync: beside a CPU burner the joiner's start once took longer than
-    # their whole run, and it found them gone (a clean-clone run)
-    hold = {"hold_at_step": 16, "hold_until": str(tmp_path / "c" / "ready.json")}
+    # a and b wait for the joiner one inner step before their 4th sync point: beside a CPU burner the joiner's start
+    # once took longer than their whole run, and it found them gone (a clean-clone run). Held after that sync point
+    # (step 16), they reached it as the joiner's download landed, and their group formed before its record said it
+    # was there (run BW): the joiner was one sync late (`DiLoCoOptimizer._adopt_swarm_state`), which the hold made
+    # likely. Held before it, they see the joiner at their outer step, one inner step from the sync point, and wait.
+    hold = {"hold_at_step": 15, "hold_until": str(tmp_path / "c" / "ready.json")}
     a = start_diloco_peer(tmp_path, "a", opt={"min_peers": 2}, **hold, **common)
     b = start_diloco_peer(tmp_path, "b", opt={"min_peers": 2}, **hold, **common)
     peers = [a, b]

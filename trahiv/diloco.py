@@ -828,9 +828,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._catching_up = False  # (its record now says where it is)
         if in_flight:
             self._follow_sync_in_flight()
-        # at once: the peers at that outer step expect this one in their next group only once they see it there (its
-        # record said the outer step it left: a joiner's first group once assembled without it, and it failed its sync)
-        self._publish()
+        # at once, and stored before it trains on: the peers at that outer step expect this one in their next group
+        # only once they see it there (its record said the outer step it left: a joiner's first group once assembled
+        # without it, and it failed its sync). (A download that lands as the others reach their sync point, after
+        # the check above, still makes this peer one sync late: their group forms without it, its search fails, and
+        # it downloads their result: `syncs` counts it as failed and missed. Seen once, a CI run of stop 45.)
+        self._publish(wait=True)
         return True
 
     def _download(self, prefer: str | None) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
