@@ -677,7 +677,13 @@ def _wait_for_found_groups() -> None:
 async def _until_group_begins(averager: Any, group_id: bytes) -> None:
     """Wait until this averager runs group `group_id`, while it may still: a group it found (its step awaits its
     trigger) until that step ends or its deadline passes; an unknown group while the search under way as the part
-    arrived goes on (the leader's answer with the group may be on its way: hivemind's own case)."""
+    arrived goes on (the leader's answer with the group may be on its way: hivemind's own case).
+
+    PowerSGD's all-reduces carry the group's ID with the phase's name appended (`PowerSGDGradientAverager`: one
+    all-reduce per phase, P and Q), and it registers them in its own `_register_allreduce_group` (which does not set
+    `begun`: the loop below sees the registration within FOUND_GROUP_POLL). Looked up by that ID alone, a phase's
+    part that arrived between its group being found and registered was answered BAD_GROUP_ID, and the round was
+    partial (a test beside a busy core, 1 run of 7)."""
     import asyncio
 
     from hivemind.utils.timed_storage import get_dht_time
@@ -686,8 +692,10 @@ async def _until_group_begins(averager: Any, group_id: bytes) -> None:
     search = matchmaking.step_control
     logged = False
     while group_id not in averager._running_groups:
-        control, begun = getattr(matchmaking, "_trahiv_found_groups", {}).get(group_id, (None, None))
-        if control is not None:
+        found: dict[bytes, tuple[Any, Any]] = getattr(matchmaking, "_trahiv_found_groups", {})
+        entry = found.get(group_id) or next((e for found_id, e in found.items() if group_id.startswith(found_id)), None)
+        if entry is not None:
+            control, begun = entry
             if control.done() or get_dht_time() >= control.deadline:
                 return
             waiting = begun.wait()
