@@ -131,6 +131,31 @@ def test_a_killed_peer_is_not_waited_for_once_it_does_not_answer(tmp_path, workd
     assert "Peer left the swarm" in log, log[-3000:]
 
 
+def test_the_round_in_flight_as_the_last_other_peer_dies_ends_once_it_does_not_answer(tmp_path, workdir):
+    """The survivor of a 2-peer swarm is looking for a group with its groupmate as the groupmate dies (SIGKILL at a
+    named step). It waited out `averaging_timeout` (the default, 30 s) and then stepped with its own gradients, the
+    round counted as failed. It now stops looking once the dead peer is gone (silent for PING_SILENT_S while this peer
+    trains, two pings unanswered: `SwarmProgressTracker._without_the_gone`) and steps alone: no round failed, and
+    the run takes less than that timeout after the death."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="last_other", target=8, max_steps=6, batch_size=4, sleep_per_step=0.1,
+                  initial_peers=boot.initial_peers, opt={"min_peers": 2})  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", **common)
+        b = start_peer(tmp_path, "b", faults=[{"kind": "die", "at_step": 2}], **common)
+        assert b.process.wait(timeout=90) == -signal.SIGKILL
+        died = time.time()
+        done = a.finish()
+        ended = time.time()
+    finally:
+        boot.stop()
+    assert done["global_step"] == 6
+    log = a.log()
+    assert "no other peer is left to average with: not waiting for a group" in log, log[-3000:]
+    assert done["averaging_rounds"]["failed"] == 0 and not partial_steps(log), (done["averaging_rounds"], log[-3000:])
+    assert ended - died < 30, ended - died  # (before: the round alone waited 30 s)
+
+
 @pytest.mark.parametrize("fault", ["kill_dht", "kill_p2pd"])
 def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workdir, fault):
     """The OOM killer (here the peer itself, at step 3) takes one engine process of a training peer: its DHT process,

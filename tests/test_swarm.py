@@ -110,7 +110,9 @@ def test_peers_that_cannot_average_step_with_their_own_gradients(tmp_path, workd
         assert done["global_step"] == 3
         for step in (1, 2, 3):  # SGD, lr 1: each failed round moves the weights by -1 x this peer's gradient
             assert peer.params_at()[step]["values"] == pytest.approx([-grad * step] * 4), (peer.name, step)
-        assert done["averaging_rounds"]["failed"] >= 3 and done["averaging_rounds"]["complete"] == 0, done
+        # (a peer whose groupmate finished first and left stops its last search then: cancelled, not failed)
+        cancelled = peer.log().count("no other peer is left to average with")
+        assert done["averaging_rounds"]["failed"] + cancelled >= 3 and done["averaging_rounds"]["complete"] == 0, done
         assert "Proceeding with local gradients" in peer.log()
         assert "Traceback" not in peer.log(), "a round without a group is no error"
 

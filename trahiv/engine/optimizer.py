@@ -219,10 +219,19 @@ class SwarmProgressTracker(ProgressTracker):
     def peek_epoch(self) -> int:
         """The swarm's step from a fresh read of the progress records (trusted as in `_trusted_records`), without
         the tracker's lock and without updating its state: for waits while the tracker is paused."""
+        return self.peek()[0]
+
+    def peek(self) -> tuple[int, bool]:
+        """`peek_epoch`, and whether another peer is still there: its record passes `_without_the_gone` (a record
+        silent for PING_SILENT_S while this peer trains is checked with pings; the tracker is paused, so this thread
+        is the one that asks)."""
         found = read_latest(self.dht, self.training_progress_key)
-        epochs = [record.epoch for record, _ in self._well_formed_records(found.value if found else None).values()]
+        records = self._well_formed_records(found.value if found else None)
+        epochs = [record.epoch for record, _ in records.values()]
         limit = trusted_epoch(epochs, self.local_progress.epoch)
-        return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch)
+        own = self.dht.peer_id.to_bytes()
+        others = any(record.peer_id != own for record, _ in self._without_the_gone(records).values())
+        return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch), others
 
     def start_measuring(self) -> None:
         """Training begins now: this peer's throughput (samples/s, which its share of each step follows) is measured
@@ -705,17 +714,24 @@ class SwarmOptimizer(hivemind.Optimizer):
         """hivemind's, but while this peer still looks for a group, it watches the swarm: if the others finish the
         step without it (a peer that came late to a round, or whose group request was lost), it stops waiting (hivemind
         waited the whole averaging_timeout, then stepped alone) and downloads their state after the step
-        (`_left_behind`)."""
+        (`_left_behind`). If every other peer is gone meanwhile (they do not answer pings: `_without_the_gone`), it
+        stops waiting too, and steps with its own gradients."""
         control = maybe_step_control
         deadline = time.monotonic() + self.averaging_timeout
         while control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
             if time.monotonic() >= deadline or not self.dht.is_alive():  # (the peer shut down meanwhile)
                 break
             time.sleep(LEFT_BEHIND_POLL)
-            swarm = self.tracker.peek_epoch()  # (the tracker is paused here: its lock is held)
+            swarm, others = self.tracker.peek()  # (the tracker is paused here: its lock is held)
             if swarm > self.local_epoch and newest_served_step(self.dht, self.run_id) >= swarm:
                 if control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
                     self._left_behind = True
+                break
+            if not others and control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
+                # every other peer left (died: its record outlives it) while this one looked for a group with them:
+                # step with this peer's own gradients now rather than after averaging_timeout (a 2-peer swarm's
+                # survivor lost 30 s at the step its groupmate died)
+                logger.info(f"Step {self.local_epoch}: no other peer is left to average with: not waiting for a group")
                 break
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
