@@ -222,15 +222,16 @@ class SwarmProgressTracker(ProgressTracker):
         return self.peek()[0]
 
     def peek(self) -> tuple[int, bool]:
-        """`peek_epoch`, and whether another peer is still there: its record passes `_without_the_gone` (a record
+        """`peek_epoch`, and whether another peer may still be there: its record passes `_without_the_gone` (a record
         silent for PING_SILENT_S while this peer trains is checked with pings; the tracker is paused, so this thread
-        is the one that asks)."""
+        is the one that asks). A read that found nothing, or not this peer's own record, tells nothing: True."""
         found = read_latest(self.dht, self.training_progress_key)
         records = self._well_formed_records(found.value if found else None)
         epochs = [record.epoch for record, _ in records.values()]
         limit = trusted_epoch(epochs, self.local_progress.epoch)
         own = self.dht.peer_id.to_bytes()
-        others = any(record.peer_id != own for record, _ in self._without_the_gone(records).values())
+        kept = [record.peer_id for record, _ in self._without_the_gone(records).values()]
+        others = own not in kept or any(peer != own for peer in kept)
         return max([epoch for epoch in epochs if epoch <= limit], default=self.local_progress.epoch), others
 
     def start_measuring(self) -> None:
@@ -716,7 +717,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         waited the whole averaging_timeout, then stepped alone) and downloads their state after the step
         (`_left_behind`). If every other peer is gone meanwhile (they do not answer pings: `_without_the_gone`), it
         stops waiting too, and steps with its own gradients."""
-        control = maybe_step_control
+        control, alone = maybe_step_control, 0
         deadline = time.monotonic() + self.averaging_timeout
         while control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
             if time.monotonic() >= deadline or not self.dht.is_alive():  # (the peer shut down meanwhile)
@@ -727,7 +728,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                 if control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
                     self._left_behind = True
                 break
-            if not others and control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
+            alone = 0 if others else alone + 1  # (two reads in a row: one read may miss a record, as a replica can)
+            if alone >= 2 and control.stage == AveragingStage.LOOKING_FOR_GROUP and control.cancel():
                 # every other peer left (died: its record outlives it) while this one looked for a group with them:
                 # step with this peer's own gradients now rather than after averaging_timeout (a 2-peer swarm's
                 # survivor lost 30 s at the step its groupmate died)
