@@ -708,7 +708,7 @@ def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers
 
 
 def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_answer(monkeypatch):
-    """A background update that watches the swarm while its round looks for a group (`peek_epoch`, every
+    """A background update that watches the swarm while its round looks for a group (`SwarmProgressTracker.peek`, every
     LEFT_BEHIND_POLL) reads the progress through the DHT process. Its peer shut down meanwhile (stop 44: 0.05 s steps
     in background mode, a round of the last step still looking for a group), the read was never answered, and the
     process never exited (the interpreter waits for the update's thread). Here the DHT process is frozen (SIGSTOP)
@@ -719,7 +719,7 @@ def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_a
     with lone_peer("frozen_dht", target=2, batch=1) as (swarm, optimizer, param):
         swarm.catch_up()
         read: list[int] = []
-        reader = threading.Thread(target=lambda: read.append(optimizer.tracker.peek_epoch()), daemon=True)
+        reader = threading.Thread(target=lambda: read.append(optimizer.tracker.peek()[0]), daemon=True)
         os.kill(swarm.dht.pid, signal.SIGSTOP)
         try:
             reader.start()

@@ -216,15 +216,12 @@ class SwarmProgressTracker(ProgressTracker):
             expiration_time=get_dht_time() + self.metadata_expiration,
         )
 
-    def peek_epoch(self) -> int:
-        """The swarm's step from a fresh read of the progress records (trusted as in `_trusted_records`), without
-        the tracker's lock and without updating its state: for waits while the tracker is paused."""
-        return self.peek()[0]
-
     def peek(self) -> tuple[int, bool]:
-        """`peek_epoch`, and whether another peer may still be there: its record passes `_without_the_gone` (a record
-        silent for PING_SILENT_S while this peer trains is checked with pings; the tracker is paused, so this thread
-        is the one that asks). A read that found nothing, or not this peer's own record, tells nothing: True."""
+        """The swarm's step from a fresh read of the progress records (trusted as in `_trusted_records`), without
+        the tracker's lock and without updating its state: for waits while the tracker is paused. And whether another
+        peer may still be there: its record passes `_without_the_gone` (a record silent for PING_SILENT_S while this
+        peer trains is checked with pings; the tracker is paused, so this thread is the one that asks). A read that
+        found nothing, or not this peer's own record, tells nothing: True."""
         found = read_latest(self.dht, self.training_progress_key)
         records = self._well_formed_records(found.value if found else None)
         epochs = [record.epoch for record, _ in records.values()]
