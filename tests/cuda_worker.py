@@ -8,6 +8,7 @@ SPEC["mode"] picks what runs on the GPU, as a user's Trainer script would:
 - bnb8bit:   bitsandbytes' 8-bit AdamW with its states on the GPU (offload_optimizer False)
 - qlora:     the tiny GPT-2 loaded in 4 bits (nf4, bitsandbytes) with LoRA adapters, bf16 autocast
 - diloco_fp16: DiLoCo (2 inner steps) with fp16 on the tiny GPT-2
+- diloco_streaming_fp16: the same with 2 fragments synced in turn, each sync overlapped with the next inner steps
 It writes SPEC["out"]/done.json: steps, losses, logged gradient norms, the scaler's scale, the trainable parameters'
 sha256 (peers must end identical), and what the optimizer states and base weights are.
 """
@@ -32,7 +33,7 @@ def build(spec: dict) -> tuple[torch.nn.Module, dict]:
     if mode == "fp16_toy":
         return Toy(spec.get("overflow_at")), {"fp16": True, "optim": "sgd", "learning_rate": 1.0,
                                              "lr_scheduler_type": "constant", "max_grad_norm": 10.0}  # fmt: skip
-    if mode in ("fp16", "diloco_fp16"):
+    if mode in ("fp16", "diloco_fp16", "diloco_streaming_fp16"):
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir), {"fp16": True}
     if mode == "bf16":  # weights in bf16 (no autocast): the states stay on the GPU, gradients travel in 8 bits
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -73,6 +74,8 @@ def main(spec_path: str) -> int:
     config = {"dht": {"initial_peers": spec["initial_peers"], "nat_port_map": False, "client_mode": False}, "opt": opt}
     if spec["mode"] == "diloco_fp16":
         config["diloco"] = {"inner_steps": 2, "compression": "fp16"}
+    if spec["mode"] == "diloco_streaming_fp16":
+        config["diloco"] = {"inner_steps": 4, "fragments": 2, "overlap": True, "compression": "fp16"}
     toy = spec["mode"] == "fp16_toy"
     args = TrainingArguments(
         output_dir=str(out / "output"), per_device_train_batch_size=spec["batch_size"], max_steps=spec["max_steps"],
@@ -85,7 +88,8 @@ def main(spec_path: str) -> int:
         dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
-    swarm_opt = trainer.swarm.diloco if spec["mode"] == "diloco_fp16" else trainer.swarm.optimizer
+    diloco = spec["mode"].startswith("diloco")
+    swarm_opt = trainer.swarm.diloco if diloco else trainer.swarm.optimizer
     inner = getattr(swarm_opt, "opt", None) or getattr(swarm_opt, "inner", None)
     states = {}
     for group in getattr(inner, "param_groups", []):
@@ -113,6 +117,9 @@ def main(spec_path: str) -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }  # fmt: skip
+    if diloco:
+        done.update(outer_step=swarm_opt.outer_step, syncs=dict(swarm_opt.syncs), outer_sha256=swarm_opt.outer_digest,
+                    overlapped_steps=swarm_opt.overlapped_steps)  # fmt: skip
     if toy:
         done["values"] = trainer.model.w.detach().cpu().tolist()
     (out / "done.json").write_text(json.dumps(done))

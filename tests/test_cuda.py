@@ -1,7 +1,8 @@
 """The CUDA paths, with two peer processes on one GPU (skipped without one): fp16 with the Trainer's GradScaler,
 bf16 weights, bitsandbytes' 8-bit optimizer on the GPU, QLoRA (a 4-bit base model with LoRA adapters), DiLoCo under
-fp16. Each swarm must end with its peers holding the same trainable weights. CI has no GPU: these run on a lent GPU
-machine (README, GPU checks); the memory calculator is checked against a GPU's allocations too."""
+fp16 (also streaming, overlapped). Each swarm must end with its peers holding the same trainable weights (streaming:
+the same outer parameters). CI has no GPU: these run on a lent GPU machine (README, GPU checks); the memory
+calculator is checked against a GPU's allocations too."""
 
 from __future__ import annotations
 
@@ -92,6 +93,21 @@ def test_qlora_averages_the_adapters_of_a_4bit_model(swarm):
 def test_diloco_with_fp16(swarm):
     for peer in trained_together(swarm("diloco_fp16", max_steps=4, target=32)):  # (the last step is a sync)
         assert peer["scaler"] == "torch.amp.grad_scaler.GradScaler", peer
+        assert peer["outer_step"] == 2 and peer["syncs"]["averaged"] == 2, peer
+
+
+def test_diloco_streaming_fragments_overlapped_with_fp16(swarm):
+    """2 fragments (a sync point every 2 of H = 4 inner steps), each sync running while the next inner steps train on
+    the GPU. The peers end with the same outer parameters; their models differ by design (each fragment keeps the inner
+    steps made since its own last sync)."""
+    done = swarm("diloco_streaming_fp16", max_steps=8, target=32)
+    a, b = done["a"], done["b"]
+    assert a["outer_sha256"] == b["outer_sha256"], "the peers ended with different outer parameters"
+    for peer in (a, b):
+        assert peer["global_step"] == 8 and peer["devices"] == ["cuda"], peer
+        assert peer["losses"] and all(math.isfinite(x) for x in peer["losses"]), peer
+        assert peer["outer_step"] == 4 and peer["syncs"]["averaged"] == 4, peer
+        assert peer["overlapped_steps"] >= 1, peer
 
 
 # One fp32 AdamW step of a GPT-2 on the GPU, in a fresh process: the peak of allocated GPU memory (the CUDA context and
