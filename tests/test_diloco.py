@@ -425,11 +425,13 @@ def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir)
     """Two DiLoCo peers; b's DHT process is killed (the OOM killer) once b has synced at outer step 1. b stops with one
     message naming the process, its whole process tree gone (the p2pd its DHT left behind too), while a trains to the
     end (test_faults.py has the synchronous mode's case; a sync's handlers catch every Exception, and the step does not
-    go on past them)."""
+    go on past them). b saves its training state as it stops, unless the loss came inside an inner step or a sync (the
+    state may then be half updated); a checkpoint is labelled with the inner step its DiLoCo state is at."""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_lost", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 4, "max_steps": 16, "sleep_per_step": 0.1, "opt": {"min_peers": 2}}  # fmt: skip
-    a, b = (start_diloco_peer(tmp_path, name, **common) for name in ("a", "b"))
+    a = start_diloco_peer(tmp_path, "a", **common)
+    b = start_diloco_peer(tmp_path, "b", save_steps=100, **common)  # (no checkpoint of its own in this run)
     try:
         wait_for(lambda: b._check_alive() and 1 in syncs(b), 120, "b's first sync")
         tree = process_tree(b.process.pid)
@@ -446,7 +448,19 @@ def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir)
     assert re.search(
         rf"lost its link to swarm 'diloco_lost': its DHT process \(pid {dht.pid}\) was killed by SIGKILL", log
     )
-    assert "SwarmLostError" in log.strip().splitlines()[-1], log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert "SwarmLostError" in last, log[-3000:]
+    saved = re.search(r"Its training state at step (\d+) is saved in (\S+): resume_from_checkpoint=", last)
+    checkpoints = list((b.out / "output").glob("checkpoint-*"))
+    if saved:
+        folder = Path(saved[2])
+        assert checkpoints == [folder] and int(saved[1]) >= 4, (checkpoints, last)
+        state = torch.load(folder / "optimizer.pt", weights_only=False)["diloco"]
+        assert state["outer_step"] * 4 + state["inner_done"] == int(saved[1]), state
+        assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == int(saved[1])
+    else:
+        assert last.endswith("was not saved as a checkpoint: the engine process ended while this peer was updating "
+                             "its weights") and not checkpoints, (last, checkpoints)  # fmt: skip
     wait_exited(tree, 10, "b's processes")
     assert done["global_step"] == 16 and done["outer_step"] == 4, done
 

@@ -238,6 +238,36 @@ def test_another_threads_error_is_raised_at_the_next_step_or_where_the_main_thre
     engine.raise_if_interrupted()  # leaving interrupt_on_signals clears it
 
 
+def test_an_interrupt_inside_a_change_of_the_training_state_says_the_state_may_be_torn():
+    """A checkpoint of a peer that lost its engine is saved only from a whole state (trahiv.trainer,
+    `_save_after_losing_the_swarm`): the interrupt that stops it says whether it came while the main thread changed
+    that state (`changing_state`: an optimizer step, a download being loaded) or between such changes."""
+    from trahiv.engine import fixes
+
+    with engine.interrupt_on_signals():  # at the next step, outside any change: whole
+        assert fixes.interrupt_main(RuntimeError("between steps"), grace=5.0)
+        with pytest.raises(RuntimeError, match="between steps"):
+            engine.raise_if_interrupted()
+        assert not fixes.interrupted_mid_change()
+    with engine.interrupt_on_signals():  # waiting for an answer outside any change (a progress read): whole
+        with pytest.raises(RuntimeError, match="in a read"):
+            threading.Timer(0.1, fixes.interrupt_main, args=(RuntimeError("in a read"),), kwargs={"grace": 0.2}).start()
+            threading.Event().wait(30)
+        assert not fixes.interrupted_mid_change()
+    with engine.interrupt_on_signals():  # waiting inside a change (the executor's optimizer step): torn, and it stays
+        with pytest.raises(RuntimeError, match="in a step"):  # so after a later raise between steps
+            with fixes.changing_state():
+                threading.Timer(
+                    0.1, fixes.interrupt_main, args=(RuntimeError("in a step"),), kwargs={"grace": 0.2}
+                ).start()
+                threading.Event().wait(30)
+        assert fixes.interrupted_mid_change()
+        with pytest.raises(RuntimeError, match="in a step"):
+            engine.raise_if_interrupted()
+        assert fixes.interrupted_mid_change()
+    assert not fixes.interrupted_mid_change()  # leaving interrupt_on_signals clears it
+
+
 @pytest.mark.parametrize("ended", ["killed", "exited", "closed first"])
 def test_the_engine_watch_says_which_process_ended_and_how(ended):
     """`EngineWatch`: one call, naming the process and how it ended (SIGKILL: the OOM killer's signal); nothing once

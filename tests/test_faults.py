@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from swarm_helpers import alive, process_tree, start_bootstrap, start_peer, wait_exited, wait_for
@@ -162,21 +164,29 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     or the DHT's p2p daemon. Without its DHT the peer waited for good in its next progress read, saying nothing;
     without p2pd it trained on alone, while the other peer waited for it round after round. Now it stops at once with
     one message that names the process and how it ended, leaves nothing running (p2pd, orphaned by its DHT, too), and
-    the other peer finishes the run."""
+    the other peer finishes the run. Its training state is saved as a checkpoint first (its `save_steps` would have
+    saved none in this run): the weights of the last step it took, from which it resumes."""
     boot = start_bootstrap(tmp_path)
     common = dict(workdir=str(workdir), run_id=fault, target=8, max_steps=8, batch_size=4, sleep_per_step=0.1,
                   initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})  # fmt: skip
     try:
         a = start_peer(tmp_path, "a", **common)
-        b = start_peer(tmp_path, "b", faults=[{"kind": fault, "at_step": 3}], **common)
+        b = start_peer(tmp_path, "b", faults=[{"kind": fault, "at_step": 3}], save_steps=100, **common)
         b.wait_step(2)
         tree = process_tree(b.process.pid)  # b, its DHT (with p2pd) and averagers
         assert len(tree) >= 4, tree
         code = b.process.wait(timeout=60)  # (before: the DHT's case never ended)
         done = a.finish()
+        log = b.log()
+        saved = re.search(r"Its training state at step (\d+) is saved in (\S+): resume_from_checkpoint=", log)
+        assert saved, log[-3000:]
+        step, folder = int(saved[1]), Path(saved[2])
+        if fault == "kill_dht":  # the checkpoint resumes: b again, alone for one more step
+            resumed = start_peer(tmp_path, "b_resumed", resume=str(folder), save_steps=100,
+                                 **{**common, "max_steps": step + 1, "opt": {"min_peers": 1}})  # fmt: skip
+            resumed.finish()
     finally:
         boot.stop()
-    log = b.log()
     assert code == 1, log[-3000:]
     what = (
         r"its DHT process \(pid \d+\) was killed by SIGKILL"
@@ -190,6 +200,15 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     assert fired["step"] == 3
     wait_exited(tree, 10, "b's processes")
     assert done["global_step"] == 8
+    # the checkpoint holds the weights b had after its last step, labelled with that step
+    last = [row for row in b.records("step") if row["step"] <= step][-1]
+    assert last["step"] == step >= 3, (last, step)
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step
+    assert (folder / "optimizer.pt").exists() and (folder / "scheduler.pt").exists(), sorted(os.listdir(folder))
+    assert sorted(p.name for p in folder.parent.glob("checkpoint-*")) == [folder.name]
+    if fault == "kill_dht":
+        assert resumed.ready()["start_step"] == step, resumed.ready()
+        assert resumed.records("begin")[0]["digest"] == last["digest"], "resumed with other weights than b's last"
 
 
 def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir):

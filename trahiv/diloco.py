@@ -364,7 +364,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         fixes.raise_if_interrupted()  # (a lost engine process: stop between steps, see trahiv.engine.liveness)
         try:
-            return self._step(closure)
+            with fixes.changing_state():  # the inner step, and a sync (its outer step, or a download)
+                return self._step(closure)
         finally:
             fixes.raise_if_interrupted()  # a Ctrl+C or a lost engine process that a sync's handler swallowed
 
@@ -960,6 +961,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             **total_traffic(self.averagers),
         }
 
+    def whole_step(self, timeout: float = 0.0) -> int | None:
+        """The inner step whose weights and inner and outer states this peer holds, all of them (what a checkpoint must
+        hold), or None: an interrupt came inside an inner step or a sync (`fixes.changing_state`). ([overlap] A sync
+        still running in the background is finished by `state_dict`.)"""
+        return None if fixes.interrupted_mid_change() else self.global_step
+
     def state_dict(self) -> dict[str, Any]:
         self.finish_pending_sync()  # [overlap] (the flow callback finishes it before the model is saved)
         state = self.inner.state_dict()
@@ -1070,7 +1077,8 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         swarm.mark_ready()  # min_peers counts peers that train
         peers = swarm.wait_for_peers()
         opt.wait_for_records(peers - 1, timeout=min(swarm.config.opt.min_peers_timeout, 30.0))
-        opt.join()
+        with fixes.changing_state():  # (a download of the swarm's outer state)
+            opt.join()
         self._follow(state)
         return control
 

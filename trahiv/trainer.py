@@ -15,12 +15,14 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import transformers
 from transformers.trainer_callback import DefaultFlowCallback, IntervalStrategy, SaveStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trahiv.config import HivemindConfig, redact
 
@@ -271,12 +273,41 @@ class Trainer(transformers.Trainer):
         if self.swarm is None:
             return super().train(*args, **kwargs)
         from trahiv.engine import interrupt_on_signals
+        from trahiv.swarm import SwarmLostError
 
         with interrupt_on_signals():
             try:
                 return super().train(*args, **kwargs)
+            except SwarmLostError as error:
+                raise self._save_after_losing_the_swarm(error) from None
             finally:
                 self.swarm.shutdown()
+
+    def _save_after_losing_the_swarm(self, error: Exception) -> Exception:
+        """An engine process ended under this peer (`SwarmLostError`): save its training state as a checkpoint, as
+        `save_strategy` would, so that the steps it trained since its last one are not lost. Not when that state may
+        be half updated (the loss interrupted a step's update: `whole_step`) or `save_strategy` is 'no'. The error
+        returned says where the checkpoint is, or why there is none."""
+        assert self.swarm is not None and self.model is not None
+        if self.args.save_strategy == SaveStrategy.NO:
+            return error
+        opt = self.swarm.diloco if self.swarm.diloco is not None else self.swarm.optimizer
+        step = None if opt is None else opt.whole_step()
+        if step is None:
+            return type(error)(f"{error}. Its training state was not saved as a checkpoint: the engine process ended "
+                               "while this peer was updating its weights")  # fmt: skip
+        if step == 0:
+            return error
+        folder = os.path.join(self._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if not os.path.isdir(folder):  # (else saved at this step already, by `save_steps`)
+            self.state.global_step = step  # (the Trainer counts a step once its flow callback has run)
+            try:
+                self._save_checkpoint(self.model, trial=None)
+            except Exception as e:  # the original error is what the user must see
+                logger.warning(f"Could not save this peer's training state at step {step}: {e!r}")
+                return error
+        return type(error)(f"{error}. Its training state at step {step} is saved in {folder}: "
+                           f"resume_from_checkpoint={folder!r} continues from it")  # fmt: skip
 
     def samples_per_local_step(self) -> int:
         world = max(self.args.world_size, 1)

@@ -472,16 +472,25 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
         the new step's label with the old step's parameters (a joiner began step 6 with the server's step-5 weights
         in a clean-clone run of tests/test_faults.py)."""
         if not (kwargs.get("optimizer_step") or kwargs.get("zero_grad") or kwargs.get("averaging_round")):
-            return super().step(*args, **kwargs)
+            with fixes.changing_state():  # (applies a background update's results)
+                return super().step(*args, **kwargs)
         with self._updates:
             self._updates_due += 1
         known = set(self.pending_updates)
         try:
-            return super().step(*args, **kwargs)
+            with fixes.changing_state():
+                return super().step(*args, **kwargs)
         except BaseException:
             if not set(self.pending_updates) - known:  # raised before handing the update over: it never runs
                 self._update_ended()
             raise
+
+    def settled(self, timeout: float) -> bool:
+        """No update (optimizer step, parameter round) under way within `timeout` seconds, and none that ended in the
+        background waits to be applied to the model: parameters and optimizer statistics are of one step."""
+        with self._updates:
+            idle = self._updates.wait_for(lambda: self._updates_due == 0, timeout=timeout)
+        return idle and not self.finished_optimizer_step.is_set() and not self.finished_averaging_round.is_set()
 
     def _set_state_sharing_priority(self, value: float) -> None:
         """hivemind's setter (it declares the value for download), ignored inside `priority_held()`. hivemind's

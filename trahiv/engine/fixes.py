@@ -155,6 +155,7 @@ def interrupt_on_signals():
 
     def interrupt(signum: int, _frame: object) -> None:
         global _pending_interrupt
+        _note_where_raised()
         if isinstance(_pending_interrupt, BaseException):  # interrupt_main's error: raised where the thread waits
             _delivered.set()
             raise _pending_interrupt
@@ -174,6 +175,8 @@ def interrupt_on_signals():
 
 _pending_interrupt: str | BaseException | None = None
 _handling = False  # the main thread runs under interrupt_on_signals
+_changing = 0  # the `changing_state` blocks the main thread is in
+_raised_mid_change = False  # an interrupt was raised in the main thread inside one (see `interrupted_mid_change`)
 _delivered = threading.Event()  # the main thread raised interrupt_main's error
 INTERRUPT_GRACE = 2.0  # seconds the main thread has to reach a step (and raise there) before a signal interrupts it
 
@@ -203,6 +206,8 @@ def raise_if_interrupted() -> None:
     error), again: hivemind 1.1.12 catches BaseException around its averaging waits ("Averaging gradients failed with
     KeyboardInterrupt ... Proceeding with local gradients"), so a signal arriving there would otherwise be swallowed
     and training go on."""
+    if _pending_interrupt is not None:
+        _note_where_raised()
     if isinstance(_pending_interrupt, BaseException):
         _delivered.set()
         raise _pending_interrupt
@@ -211,8 +216,37 @@ def raise_if_interrupted() -> None:
 
 
 def clear_interrupt() -> None:
-    global _pending_interrupt
+    global _pending_interrupt, _raised_mid_change
     _pending_interrupt = None
+    _raised_mid_change = False
+
+
+@contextlib.contextmanager
+def changing_state() -> typing.Iterator[None]:
+    """Marks main-thread code that changes the training state (weights, optimizer statistics, step) tensor by tensor,
+    or waits for an update that does (hivemind's optimizer step runs in its averager's executor). An interrupt raised
+    inside leaves that state torn: `interrupted_mid_change` then says so, and no checkpoint is saved from it."""
+    global _changing
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _changing += 1
+    try:
+        yield
+    finally:
+        _changing -= 1
+
+
+def _note_where_raised() -> None:
+    global _raised_mid_change
+    if threading.current_thread() is threading.main_thread():  # (sticky: a torn update stays torn once swallowed)
+        _raised_mid_change = _raised_mid_change or _changing > 0
+
+
+def interrupted_mid_change() -> bool:
+    """The interrupt raised in the main thread (Ctrl+C, SIGTERM, `interrupt_main`'s error) came inside a
+    `changing_state` block: the training state may be half updated."""
+    return _raised_mid_change
 
 
 # 2. Orphans --------------------------------------------------------------------------------------------------------

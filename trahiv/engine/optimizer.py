@@ -89,6 +89,7 @@ PINGS_UNANSWERED = 2  # pings in a row a peer leaves unanswered before it is lef
 PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins (`_may_promise`)
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 DHT_READ_TIMEOUT = 10.0  # seconds: a read of the DHT from a background wait that gets no answer counts as none
+WHOLE_STATE_WAIT = 10.0  # seconds an update under way may take to end before a checkpoint of the state is given up
 
 
 def in_group(control: Any) -> bool:
@@ -808,7 +809,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         return True
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        super().load_state_from_peers(**kwargs)
+        with fixes.changing_state():
+            super().load_state_from_peers(**kwargs)
         # hivemind moves a peer one step behind to the swarm's step ("Catching up with collaboration step") without
         # its LR schedule: the next step then ran with the previous step's LR, and the logged LR lagged a step
         self.state_averager._update_scheduler()
@@ -848,6 +850,17 @@ class SwarmOptimizer(hivemind.Optimizer):
             return super().step(closure=closure, batch_size=batch_size, grad_scaler=grad_scaler)
         finally:
             fixes.raise_if_interrupted()  # a Ctrl+C / SIGTERM that hivemind swallowed while averaging
+
+    def whole_step(self, timeout: float = WHOLE_STATE_WAIT) -> int | None:
+        """The step whose parameters, optimizer statistics and schedule this peer holds, all of them (what a checkpoint
+        must hold), or None: an interrupt came while they changed (`fixes.changing_state`), or an update still runs or
+        waits to be applied after `timeout` seconds (background mode)."""
+        if fixes.interrupted_mid_change():
+            return None
+        averager = self.state_averager
+        if isinstance(averager, RobustTrainingStateAverager) and not averager.settled(timeout):
+            return None
+        return self.local_epoch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """hivemind's, once the last local step's gradients are in the accumulators (`OverlappedAccumulation` may

@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
 from trahiv.averaging.robust import state_rejection_reason
+from trahiv.engine import fixes
 from trahiv.engine.averagers import CheckedStateDownload
 
 logger = logging.getLogger("trahiv.engine.state")
@@ -132,7 +133,7 @@ def load_state(opt: Any, metadata: dict, tensors: list[torch.Tensor], *, step: i
     averager = opt.state_averager
     parameters = tuple(p for group in averager.optimizer.param_groups for p in group["params"])
     main = tuple(chain(parameters, averager.extra_tensors))
-    with opt.tracker.pause_updates():
+    with fixes.changing_state(), opt.tracker.pause_updates():
         with torch.no_grad(), averager.lock_averaged_tensors:
             load_optimizer_state(averager.optimizer, metadata["optimizer_metadata"], tensors[len(main) :])
             for local, loaded in zip(main, tensors[: len(main)], strict=True):
