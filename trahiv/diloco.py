@@ -67,7 +67,7 @@ from trahiv.config import HivemindConfig
 from trahiv.engine import fixes
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
-from trahiv.engine.optimizer import newest_served
+from trahiv.engine.optimizer import WHOLE_STATE_WAIT, newest_served
 from trahiv.engine.traffic import total_traffic
 from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
 
@@ -961,11 +961,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             **total_traffic(self.averagers),
         }
 
-    def whole_step(self, timeout: float = 0.0) -> int | None:
+    def whole_step(self, timeout: float = WHOLE_STATE_WAIT) -> int | None:
         """The inner step whose weights and inner and outer states this peer holds, all of them (what a checkpoint must
-        hold), or None: an interrupt came inside an inner step or a sync (`fixes.changing_state`). ([overlap] A sync
-        still running in the background is finished by `state_dict`.)"""
-        return None if fixes.interrupted_mid_change() else self.global_step
+        hold), or None: an interrupt came inside an inner step or a sync (`fixes.changing_state`), or ([overlap]) the
+        sync running in the background has not ended within `timeout` seconds (`state_dict` applies one that has)."""
+        pending = self._pending
+        if fixes.interrupted_mid_change() or (pending is not None and not pending.done.wait(timeout)):
+            return None
+        return self.global_step
 
     def state_dict(self) -> dict[str, Any]:
         self.finish_pending_sync()  # [overlap] (the flow callback finishes it before the model is saved)

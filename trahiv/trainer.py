@@ -292,7 +292,9 @@ class Trainer(transformers.Trainer):
         if self.args.save_strategy == SaveStrategy.NO:
             return error
         opt = self.swarm.diloco if self.swarm.diloco is not None else self.swarm.optimizer
-        step = None if opt is None else opt.whole_step()
+        if opt is None:  # (lost before training began)
+            return error
+        step = opt.whole_step()
         if step is None:
             return type(error)(f"{error}. Its training state was not saved as a checkpoint: the engine process ended "
                                "while this peer was updating its weights")  # fmt: skip

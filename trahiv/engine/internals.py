@@ -212,6 +212,8 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "local_epoch", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "pending_updates", "instance", None),
+    Internal("hivemind.optim.state_averager:TrainingStateAverager", "finished_optimizer_step", "instance", None),
+    Internal("hivemind.optim.state_averager:TrainingStateAverager", "finished_averaging_round", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_averaged_tensors", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "extra_tensors", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "reuse_tensors", "instance", None),
