@@ -222,6 +222,9 @@ class Recorder(TrainerCallback):
             if published is not None and published.last_record is not None:  # what the aux peer must have read
                 self.records.write(json.dumps({"kind": "metrics", **published.last_record.dict()}) + "\n")
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self._params(state.global_step, "end")  # the model as training ended, before the peer leaves the swarm
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             row = {"kind": "log", "step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate")}

@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import safetensors.torch
 from swarm_helpers import Peer, samples_per_epoch, start_bootstrap, start_peer
 
 pytestmark = pytest.mark.swarm
@@ -208,7 +210,14 @@ def test_peers_that_start_together_start_from_the_weights_of_the_first_ready(tmp
 
 
 def run_background_pair(
-    tmp_path: Path, workdir: Path, *, run_id: str, max_steps: int, sleep_per_step: float, busy_core: bool = False
+    tmp_path: Path,
+    workdir: Path,
+    *,
+    run_id: str,
+    max_steps: int,
+    sleep_per_step: float,
+    busy_core: bool = False,
+    **spec: Any,
 ) -> tuple[list[Peer], list[dict]]:
     """Two peers in background mode (delay_optimizer_step + delay_grad_averaging), constant gradient +1, SGD with lr
     1, target 16 = 2 batches of 4 each, optionally with another process keeping a core busy. Returns the peers and
@@ -219,6 +228,7 @@ def run_background_pair(
         workdir=str(workdir), run_id=run_id, target=16, max_steps=max_steps, batch_size=4,
         sleep_per_step=sleep_per_step, initial_peers=boot.initial_peers, toy_grad=1.0,
         opt={"min_peers": 2, "delay_optimizer_step": True, "delay_grad_averaging": True, "average_state_every": 1000},
+        **spec,
     )  # fmt: skip
     try:
         peers = [start_peer(tmp_path, name, **common) for name in "ab"]
@@ -234,14 +244,25 @@ def run_background_pair(
 def test_background_mode_ends_with_every_step_applied(tmp_path, workdir):
     """Background mode (delay_optimizer_step + delay_grad_averaging): the optimizer step of a collaborative step runs
     in the background. When training ends, the model holds every step's update: constant gradient +1 on both peers,
-    SGD with lr 1, 6 steps: the parameters are -6, not -5 (the last update still in flight). Every round is complete,
-    and no peer warns that it averaged with nobody (the warning counted a step whose round was still running in the
-    background as a step without averaging: all peers warned after 3 steps, naming a NAT or firewall)."""
-    peers, finished = run_background_pair(tmp_path, workdir, run_id="background", max_steps=6, sleep_per_step=0.5)
-    for done in finished:
+    SGD with lr 1, 6 steps: the parameters are -6, not -5 (the last update still in flight), already as training
+    ends (the callbacks' `on_train_end`), before the peer leaves the swarm: hivemind applied it only as it shut down,
+    and `train()` returned without it when leaving took longer than the swarm's shutdown waited for. A checkpoint
+    holds its step's own weights (save_steps 3: -3 and -6; hivemind would have saved the weights of the step before,
+    the update still in flight). Every round is complete, and no peer warns that it averaged with nobody (the warning
+    counted a step whose round was still running in the background as a step without averaging: all peers warned
+    after 3 steps, naming a NAT or firewall)."""
+    peers, finished = run_background_pair(
+        tmp_path, workdir, run_id="background", max_steps=6, sleep_per_step=0.5, save_steps=3
+    )
+    for peer, done in zip(peers, finished, strict=True):
         assert done["global_step"] == 6
         assert done["values"] == pytest.approx([-6.0] * 4, abs=1e-5), done
         assert done["averaging_rounds"]["complete"] == 6, done
+        end = peer.records("end")
+        assert [row["step"] for row in end] == [6] and end[0]["values"] == pytest.approx([-6.0] * 4), end
+        for step in (3, 6):
+            saved = safetensors.torch.load_file(peer.out / "output" / f"checkpoint-{step}" / "model.safetensors")
+            assert saved["w"].tolist() == pytest.approx([-float(step)] * 4), (peer.name, step, saved["w"])
     for peer in peers:  # the rounds end in the background, after their steps: they were not silent
         assert "has not averaged with anyone" not in peer.log(), peer.name
 

@@ -473,7 +473,14 @@ class Trainer(transformers.Trainer):
     def _finalize_training(self, *args: Any, **kwargs: Any):
         if self.swarm is not None:  # train_loss averages local steps (the loss is summed per local step)
             self._initial_global_step = self.state.global_step - self.local_steps_total
+            if self.swarm.optimizer is not None:  # [background mode] the model train() returns has the last update
+                self.swarm.optimizer.finish_background_update()
         return super()._finalize_training(*args, **kwargs)
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        if self.swarm is not None and self.swarm.optimizer is not None:  # [background mode] the step's own weights
+            self.swarm.optimizer.finish_background_update()
+        return super()._save_checkpoint(*args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.swarm is not None:

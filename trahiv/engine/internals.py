@@ -280,6 +280,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.optim.optimizer:Optimizer", "scheduled_grads", "instance", None),
     Internal("hivemind.optim.optimizer:Optimizer", "scheduled_state", "instance", None),
     Internal("hivemind.optim.optimizer:Optimizer", "grad_averager", "instance", None),
+    Internal("hivemind.optim.optimizer:Optimizer", "delay_optimizer_step", "instance", None),
     Internal("hivemind.optim.optimizer:Optimizer", "_should_check_synchronization_on_update", "instance", None),
     Internal(
         "hivemind.optim.progress_tracker:ProgressTracker",
