@@ -1,7 +1,8 @@
 """Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6);
 a follower whose step's deadline passes while its leader assembles the group, or while the leader's answer to its join
 request is on its way, still gets the group (10); a groupmate's part for a group found but not begun yet waits for it
-(11).
+(11); a round's search keeps the key of its step when the owner moves on to the next
+(trahiv.engine.averagers.EpochKeyedMatchmaking).
 
 Three averagers in their own processes on loopback: a leader and two followers in client mode. The leader holds its
 first answer to one follower 1.5 s, longer than the followers' request_timeout (1 s); the other follower joins at once.
@@ -28,7 +29,7 @@ from hivemind.proto import averaging_pb2
 from swarm_helpers import step_together, wait_for
 
 from trahiv import engine
-from trahiv.engine.averagers import ReportingAverager
+from trahiv.engine.averagers import EpochKeyedMatchmaking, ReportingAverager, epoch_group_bits
 
 engine.apply()
 
@@ -313,3 +314,119 @@ def test_with_hiveminds_handler_the_part_is_turned_away(monkeypatch):
         results, tensors = run_part_before_trigger(stack, once="answered")
     assert bool((tensors[1] == 1.0).any()), (results, tensors)  # b kept its own values of the part a turned away
     assert not any(torch.equal(tensor, torch.full((SIZE,), 0.5)) for tensor in tensors), (results, tensors)
+
+
+# --- a round's search keeps the key of its own step (EpochKeyedMatchmaking) -----------------------------------------
+
+
+class EpochKeyed(EpochKeyedMatchmaking, ReportingAverager):
+    """An averager keyed by step, as the swarm's are."""
+
+
+def run_owner_moves_on(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor], str]:
+    """a's round of step 1 is looking for its group when a's owner moves on to step 2 (background mode: the next local
+    step sets the next round's bits); then b's round of step 1 begins. Returns both steps' results, each averager's
+    tensors afterwards, and the bits a's averager reported while its search ran."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    common = dict(prefix="owner_moves_on", min_group_size=2, request_timeout=1.0, min_matchmaking_time=2.0, start=True)
+    a, b = (EpochKeyed([torch.full((4,), float(rank))], dht=dhts[rank], **common) for rank in (0, 1))
+    for averager in (a, b):
+        stack.callback(averager.shutdown)
+        averager.round_epoch = 1
+        averager.expect_peers([dht.peer_id.to_bytes() for dht in dhts])  # (a group of both assembles at once)
+    control = a.step(wait=False, timeout=10.0, allow_retries=False)
+    step_1_key = f"owner_moves_on.0b{epoch_group_bits(1)}"
+
+    def a_declared() -> bool:
+        found = dhts[1].get(step_1_key, latest=True)
+        return found is not None and dhts[0].peer_id.to_bytes() in found.value
+
+    wait_for(a_declared, 30, "a's search to declare itself under step 1's key")
+    a.round_epoch = 2
+    bits_meanwhile = a.get_group_bits()  # (after the new bits in a's pipe)
+    results: list[Any] = []
+    try:
+        results.append(b.step(timeout=6.0, allow_retries=False))
+    except Exception as e:
+        results.append(e)
+    try:
+        results.insert(0, control.result(timeout=30))
+    except Exception as e:
+        results.insert(0, e)
+    tensors = []
+    for averager in (a, b):
+        with averager.get_tensors() as (tensor,):
+            tensors.append(tensor.clone())
+    return results, tensors, bits_meanwhile
+
+
+def test_a_search_keeps_its_steps_key_when_the_owner_moves_on():
+    with ExitStack() as stack:
+        results, tensors, bits_meanwhile = run_owner_moves_on(stack)
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+    assert bits_meanwhile == epoch_group_bits(1), bits_meanwhile  # step 2's bits wait for the search's end
+
+
+def test_without_the_pin_the_search_moves_to_the_next_steps_key(monkeypatch):
+    """The control: bits set as hivemind sets them, at once, also under a running search. a's search of step 1 goes
+    on under step 2's key: b's search of step 1 cannot join it, and neither finds a group."""
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(EpochKeyedMatchmaking, "_set_group_bits", DecentralizedAverager._set_group_bits)
+    with ExitStack() as stack:
+        results, tensors, bits_meanwhile = run_owner_moves_on(stack)
+    assert bits_meanwhile == epoch_group_bits(2), bits_meanwhile
+    assert all("could not find a group" in repr(result) for result in results), results
+    assert torch.equal(tensors[0], torch.zeros(4)) and torch.equal(tensors[1], torch.ones(4)), tensors
+
+
+# --- 12. a follower that stopped waiting for the answer with which its leader counted it in ---------------------------
+
+ANSWER_LATE_S = 1.5  # the leader's first answer reaches the follower this long after it accepted it
+LATE_ANSWER_REQUEST_TIMEOUT_S = 1.0  # the follower's wait for that answer: shorter
+
+
+def assembled_then_answered_late(hold_until: Any) -> type[ReportingAverager]:
+    class AssembledThenAnsweredLate(ReportingAverager):
+        """Accepts the follower and assembles the group with it at once, as a leader whose group now holds every
+        expected peer does, but its answer reaches the follower only after the follower's request_timeout: a busy
+        machine's event loops and daemons between the two (the follower has closed its request by then)."""
+
+        async def rpc_join_group(
+            self, request: averaging_pb2.JoinRequest, context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+            async for message in super().rpc_join_group(request, context):
+                if message.code == averaging_pb2.ACCEPTED and not getattr(self, "_answered_late", False):
+                    self._answered_late = True  # (in the averager's process, once)
+                    await self._matchmaking.leader_assemble_group()  # (hivemind's handler holds the join lock here)
+                    await asyncio.sleep(ANSWER_LATE_S)
+                yield message
+
+    return AssembledThenAnsweredLate
+
+
+def run_answer_after_request_timeout(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    return run_late_leader(
+        stack, assembled_then_answered_late, "answered_late", request_timeout=LATE_ANSWER_REQUEST_TIMEOUT_S
+    )
+
+
+def test_a_follower_that_gave_up_on_the_answer_that_counted_it_in_gets_the_group_when_it_asks_again():
+    with ExitStack() as stack:
+        results, tensors = run_answer_after_request_timeout(stack)
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+
+
+def test_without_the_fix_the_leader_averages_without_the_follower_it_counted_in(monkeypatch):
+    """The control: hivemind's handler answers the follower asking again NOT_LOOKING_FOR_GROUP (its group assembled):
+    the leader's round goes on without the follower's part, and the follower finds no group (run CK, stop 47)."""
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(DecentralizedAverager, "rpc_join_group", DecentralizedAverager.rpc_join_group.__wrapped__)
+    with ExitStack() as stack:
+        results, tensors = run_answer_after_request_timeout(stack)
+    assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
+    assert torch.equal(tensors[0], torch.zeros(4)) and torch.equal(tensors[1], torch.ones(4)), tensors

@@ -119,6 +119,38 @@ class EpochKeyedMatchmaking(DecentralizedAverager):
             self.set_group_bits(epoch_group_bits(epoch), wait=False)
         self._round_epoch = epoch
 
+    # --- a round's search keeps the key of its own step ------------------------------------------------------------
+    # The owner sets the next step's bits as it moves on (SwarmOptimizer: at every local step), and hivemind's search
+    # reads the key anew at each declaration, lookup and join request. In background mode step k's round may still be
+    # looking for its group when the owner, training step k + 1, sets k + 1's bits: that search then went on under
+    # step k + 1's key, where the others' search of step k could not find it (both looked for 30 s and stepped
+    # alone: a background-mode test beside a busy core, 2026-11-28) and a search of step k + 1 could (a group of two
+    # steps' gradients). Bits set now are for the rounds the owner starts from now on: each step takes the bits in
+    # force when it was started (pipe order: `set_group_bits` before `step`) and its searches look under them alone
+    # (`trahiv.engine.fixes.SEARCH_BITS`, fix 10's look_for_group); bits set during a search wait for its end.
+
+    _requested_bits: str | None = None  # in the averager's process: the bits last set by the owner
+
+    async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:
+        self._requested_bits = group_bits
+        if self._matchmaking.is_looking_for_group:  # the search under way keeps its step's key
+            searching = self._matchmaking.group_key_manager.group_bits
+            logger.debug(f"Group bits {group_bits} set during a search under {searching}: kept for the next rounds")
+            if not future.done():
+                future.set_result(None)
+            return
+        await super()._set_group_bits(group_bits, future)  # type: ignore[misc]
+
+    async def _step(self, *, step: Any, future_for_init: Any) -> None:
+        key = self._matchmaking.group_key_manager
+        token = fixes.SEARCH_BITS.set(self._requested_bits or key.group_bits)  # (its child tasks see it too)
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
+        finally:
+            fixes.SEARCH_BITS.reset(token)
+            if self._requested_bits is not None and not self._matchmaking.is_looking_for_group:
+                key.group_bits = self._requested_bits  # (what `get_group_bits` reads between searches)
+
     # --- a group assembles as soon as every expected peer joined it ----------------------------------------------
     # hivemind 1.1.12's leader (with no target_group_size, which would cap the group) assembles its group only when
     # the time it declared runs out: at least `matchmaking_time` after the round was scheduled, although every peer
@@ -332,7 +364,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
     async def _weight_caps(self, peers: Sequence[PeerID]) -> dict[PeerID, float] | None:
         if self.progress_key is None:
             return None
-        group_bits = self._matchmaking.group_key_manager.group_bits
+        group_bits = fixes.SEARCH_BITS.get() or self._matchmaking.group_key_manager.group_bits  # (this round's step)
         round_epoch = int(group_bits, 2) if len(group_bits) == EPOCH_KEY_BITS else None  # the step, modulo 2**16
         target = getattr(self, "target_batch_size", None)
         limits = dict(round_epoch=round_epoch, moved_on_cap=None if target is None else WEIGHT_SLACK * target + 1)

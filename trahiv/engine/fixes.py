@@ -58,12 +58,22 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    averager found now waits until that group begins, or its step ends; a part for a group not found yet, while the
    search under way as it arrived lasts (the leader's answer may be on its way: hivemind's own case), without the
    event (tests/test_matchmaking.py, tests/test_swarm.py).
+12. A follower that stopped waiting for the answer with which its leader counted it in: a leader that accepts a
+   follower and assembles at once (its group then holds every expected peer, or its target size) counts the follower
+   in as the answer leaves, and on a busy machine the answer can reach the follower after its `request_timeout`, when
+   it has closed its request. It asks again (6), and hivemind's leader, its group assembled, answers
+   NOT_LOOKING_FOR_GROUP: the leader's round went on without the follower's part, and the follower's search ended at
+   its deadline without a group (the signature of a DiLoCo sync in clean-clone run CK, 2026-11-28: "sent
+   BAD_GROUP_ID" 0.05 s after the other's search ended). A leader now sends a member of a group it led that asks again
+   (same key and schema) that group, while its round of it has not begun or has nothing from that member yet
+   (tests/test_matchmaking.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import signal
@@ -83,6 +93,10 @@ HIVEMIND_VERSION = "1.1.12"
 EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
 MATCHMAKING_LOOKUP_PERIOD = 0.1  # seconds between the starts of two DHT lookups of one averager's group key (fix 7)
 FOUND_GROUP_POLL = 0.1  # seconds between looks at a found group's step while a part for it waits (fix 11)
+LED_GROUPS_KEPT = 4  # the groups an averager assembled last, as leader, that a member asking again can be sent (fix 12)
+# the group bits of the round whose averaging step runs in this context: its search looks under them alone, whatever
+# the owner sets meanwhile (set by trahiv.engine.averagers.EpochKeyedMatchmaking; read by fix 10's look_for_group)
+SEARCH_BITS: contextvars.ContextVar[str | None] = contextvars.ContextVar("trahiv_search_bits", default=None)
 PARENT_POLL_SECONDS = 0.25
 _applied = False
 
@@ -105,6 +119,7 @@ def apply() -> None:
     _pace_matchmaking_lookups()
     _finish_groups_in_assembly()
     _wait_for_found_groups()
+    _send_the_group_to_a_member_asking_again()
     _applied = True
 
 
@@ -595,7 +610,8 @@ def _finish_groups_in_assembly() -> None:
         return
 
     # adapted from hivemind.averaging.matchmaking.Matchmaking.look_for_group (hivemind 1.1.12): `asyncio.wait` instead
-    # of `asyncio.wait_for` (which cancels the group's future at the deadline), and the grace for a group in assembly
+    # of `asyncio.wait_for` (which cancels the group's future at the deadline), and the grace for a group in assembly;
+    # also the key of the step's round (SEARCH_BITS) set once the search holds hivemind's lock
     async def look_for_group(self, step):  # type: ignore[no-untyped-def]
         if self.is_looking_for_group:
             logger.info(
@@ -603,6 +619,9 @@ def _finish_groups_in_assembly() -> None:
                 " the existing group is either assembled or disbanded."
             )
         async with self.looking_for_group(step):
+            pinned = SEARCH_BITS.get()  # (trahiv: the bits of this step's round, see EpochKeyedMatchmaking)
+            if pinned is not None and pinned != self.group_key_manager.group_bits:
+                self.group_key_manager.group_bits = pinned
             request_leaders_task = asyncio.create_task(self._request_join_potential_leaders(step))
             try:
                 done, _ = await asyncio.wait({self.assembled_group}, timeout=step.get_timeout())
@@ -742,3 +761,79 @@ async def _until_group_begins(averager: Any, group_id: bytes) -> None:
             logged = True
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(waiting, FOUND_GROUP_POLL)
+
+
+# 12. A follower that stopped waiting for the answer with which its leader counted it in ------------------------------
+
+
+def _send_the_group_to_a_member_asking_again() -> None:
+    import math
+
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.proto import averaging_pb2
+
+    if getattr(DecentralizedAverager.rpc_join_group, "_trahiv_led_groups", False):
+        return
+    assemble, join = Matchmaking.leader_assemble_group, DecentralizedAverager.rpc_join_group
+
+    async def leader_assemble_group(self):  # type: ignore[no-untyped-def]
+        key = self.group_key_manager.current_key
+        group = await assemble(self)
+        led = self.__dict__.setdefault("_trahiv_led_groups", {})  # group id -> (the group, the key it formed under)
+        led[group.group_id] = (group, key)
+        while len(led) > LED_GROUPS_KEPT:
+            del led[next(iter(led))]
+        return group
+
+    def waiting_for(averager: Any, group: Any, peer: Any) -> bool:
+        """Whether this averager's round of `group` still runs (or awaits its trigger) and has nothing from `peer`."""
+        if group.group_id in getattr(averager._matchmaking, "_trahiv_found_groups", {}):
+            return True  # found, its all-reduce not begun
+        future = averager._running_groups.get(group.group_id)
+        if future is None or future.cancelled():
+            return False  # its round is over
+        if not future.done():
+            return True  # registered, its all-reduce about to begin
+        runner = future.result()
+        senders = list(getattr(runner, "sender_peer_ids", ()))
+        reducer = getattr(runner, "tensor_part_reducer", None)
+        if peer not in senders or reducer is None:
+            return peer not in senders  # (a member that sends nothing: an auxiliary peer)
+        index = senders.index(peer)
+        return reducer.num_parts_received[index] == 0 and reducer.sender_failed_after[index] == math.inf
+
+    async def rpc_join_group(self, request, context):  # type: ignore[no-untyped-def]
+        matchmaking, peer = self._matchmaking, context.remote_id
+        led = list(getattr(matchmaking, "_trahiv_led_groups", {}).values())
+        group = next(
+            (
+                group
+                for group, key in reversed(led)
+                if peer in group.peer_ids
+                and peer != matchmaking.peer_id
+                and request.group_key == key
+                and request.schema_hash == matchmaking.schema_hash
+                and waiting_for(self, group, peer)
+            ),
+            None,
+        )
+        if group is None:
+            async for message in join(self, request, context):
+                yield message
+            return
+        logger.debug(f"{self} - {peer} asks to join again; it is in group {group.group_id.hex()[:8]}: sending it")
+        async with matchmaking.lock_request_join_group:  # (hivemind's handler holds it as it answers ACCEPTED)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        yield averaging_pb2.MessageFromLeader(
+            code=averaging_pb2.BEGIN_ALLREDUCE,
+            group_id=group.group_id,
+            ordered_peer_ids=[member.to_bytes() for member in group.peer_ids],
+            gathered=group.gathered,
+        )
+
+    # hivemind finds an RPC's message types in its annotations (ServicerBase._collect_rpc_handlers): hivemind's own
+    rpc_join_group.__annotations__ = typing.get_type_hints(DecentralizedAverager.rpc_join_group)
+    rpc_join_group._trahiv_led_groups = True  # type: ignore[attr-defined]
+    _replace(Matchmaking, "leader_assemble_group", leader_assemble_group)
+    _replace(DecentralizedAverager, "rpc_join_group", rpc_join_group)

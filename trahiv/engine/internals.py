@@ -94,6 +94,12 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal(
         "hivemind.averaging.averager:DecentralizedAverager",
+        "_set_group_bits",
+        "method",
+        "(self, group_bits: 'str', future: 'MPFuture')",
+    ),
+    Internal(
+        "hivemind.averaging.averager:DecentralizedAverager",
         "get_stub",
         "method",
         "(cls, p2p: hivemind.p2p.p2p_daemon.P2P, peer: hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID, *, namespace: Optional[str] = None) -> hivemind.p2p.servicer.StubBase",
@@ -399,6 +405,14 @@ INTERNALS: tuple[Internal, ...] = (
         "(self, group_info: 'GroupInfo')",
     ),
     Internal("hivemind.averaging.control:StepControl", "deadline", "attribute", None),
+    # trahiv.engine.fixes, 12: a member of a group this averager led, asking to join again, is sent the group
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "schema_hash", "instance", None),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "group_key_manager", "instance", None),
+    Internal("hivemind.averaging.key_manager:GroupKeyManager", "current_key", "attribute", None),
+    Internal("hivemind.averaging.allreduce:AllReduceRunner", "sender_peer_ids", "instance", None),
+    Internal("hivemind.averaging.allreduce:AllReduceRunner", "tensor_part_reducer", "instance", None),
+    Internal("hivemind.averaging.partition:TensorPartReducer", "num_parts_received", "instance", None),
+    Internal("hivemind.averaging.partition:TensorPartReducer", "sender_failed_after", "instance", None),
     # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
     Internal(
         "hivemind.averaging.matchmaking:Matchmaking",
