@@ -796,11 +796,9 @@ def _send_the_group_to_a_member_asking_again() -> None:
         if not future.done():
             return True  # registered, its all-reduce about to begin
         runner = future.result()
-        senders = list(getattr(runner, "sender_peer_ids", ()))
-        reducer = getattr(runner, "tensor_part_reducer", None)
-        if peer not in senders or reducer is None:
-            return peer not in senders  # (a member that sends nothing: an auxiliary peer)
-        index = senders.index(peer)
+        if peer not in runner.sender_peer_ids:
+            return True  # (a member that sends nothing: an auxiliary peer)
+        index, reducer = list(runner.sender_peer_ids).index(peer), runner.tensor_part_reducer
         return reducer.num_parts_received[index] == 0 and reducer.sender_failed_after[index] == math.inf
 
     async def rpc_join_group(self, request, context):  # type: ignore[no-untyped-def]
