@@ -154,6 +154,12 @@ def run_late_leader(
     return results, tensors
 
 
+def assert_averaged_together(results: list[Any], tensors: list[torch.Tensor]) -> None:
+    """Both steps found the group of the two, and both averagers hold the mean of 0 and 1."""
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+
+
 def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
     """The leader assembles only 0.5 s after the follower's deadline."""
     return run_late_leader(stack, slow_assembling_leader, "late_assembly", request_timeout=GRACE_REQUEST_TIMEOUT_S)
@@ -162,8 +168,7 @@ def run_late_assembly(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
 def test_a_follower_whose_deadline_passes_during_assembly_gets_the_group():
     with ExitStack() as stack:
         results, tensors = run_late_assembly(stack)
-    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
-    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+    assert_averaged_together(results, tensors)
 
 
 def test_without_the_fix_the_follower_gives_up_as_its_group_assembles(monkeypatch):
@@ -209,8 +214,7 @@ def run_late_answer(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
 def test_a_follower_whose_deadline_passes_before_the_leaders_answer_gets_the_group():
     with ExitStack() as stack:
         results, tensors = run_late_answer(stack)
-    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
-    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+    assert_averaged_together(results, tensors)
 
 
 def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way(monkeypatch):
@@ -366,8 +370,7 @@ def run_owner_moves_on(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor],
 def test_a_search_keeps_its_steps_key_when_the_owner_moves_on():
     with ExitStack() as stack:
         results, tensors, bits_meanwhile = run_owner_moves_on(stack)
-    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
-    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+    assert_averaged_together(results, tensors)
     assert bits_meanwhile == epoch_group_bits(1), bits_meanwhile  # step 2's bits wait for the search's end
 
 
@@ -417,8 +420,7 @@ def run_answer_after_request_timeout(stack: ExitStack) -> tuple[list[Any], list[
 def test_a_follower_that_gave_up_on_the_answer_that_counted_it_in_gets_the_group_when_it_asks_again():
     with ExitStack() as stack:
         results, tensors = run_answer_after_request_timeout(stack)
-    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
-    assert all(torch.equal(tensor, torch.full((4,), 0.5)) for tensor in tensors), tensors
+    assert_averaged_together(results, tensors)
 
 
 def test_without_the_fix_the_leader_averages_without_the_follower_it_counted_in(monkeypatch):
