@@ -788,6 +788,10 @@ def _send_the_group_to_a_member_asking_again() -> None:
 
     def waiting_for(averager: Any, group: Any, peer: Any) -> bool:
         """Whether this averager's round of `group` still runs (or awaits its trigger) and has nothing from `peer`."""
+        assembled = averager._matchmaking.assembled_group
+        if assembled.done() and not assembled.cancelled() and assembled.exception() is None:
+            if assembled.result().group_id == group.group_id:
+                return True  # assembled, its search not over yet (it waits for the followers' answers to end)
         if group.group_id in getattr(averager._matchmaking, "_trahiv_found_groups", {}):
             return True  # found, its all-reduce not begun
         future = averager._running_groups.get(group.group_id)
