@@ -465,6 +465,41 @@ def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir)
     assert done["global_step"] == 16 and done["outer_step"] == 4, done
 
 
+def test_an_overlapping_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp_path, workdir):
+    """Two DiLoCo peers with overlap; b's DHT process is killed while b's second sync, running in the background, waits
+    for a (held one inner step before its sync point). The sync ends at once as failed (b's own pseudo-gradient, as
+    for any failed sync) and b saves its training state as it stops: the state of an inner step, outer step and
+    inner steps adding up to it. (Before, the sync waited for good for an answer of the dead DHT process, and b left
+    without a checkpoint: "the engine process ended while this peer was updating its weights".)"""
+    boot = start_bootstrap(tmp_path)
+    go, sync_begun = tmp_path / "go", tmp_path / "b_sync_begun"
+    common = {"workdir": str(workdir), "run_id": "diloco_lost_mid_sync", "initial_peers": boot.initial_peers,
+              "batch_size": 2, "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1, "opt": {"min_peers": 2},
+              "diloco": {"overlap": True}}  # fmt: skip
+    a = start_diloco_peer(tmp_path, "a", hold_at_step=7, hold_until=str(go), **common)
+    b = start_diloco_peer(tmp_path, "b", save_steps=100, signal_sync_at=1, signal_file=str(sync_begun), **common)
+    try:
+        wait_for(lambda: b._check_alive() and sync_begun.exists(), 120, "b's sync of outer step 1 waiting for a")
+        dht = next(p for p in psutil.Process(b.process.pid).children() if any("p2pd" in c.name() for c in p.children()))
+        dht.kill()
+        code = b.process.wait(timeout=60)
+    finally:
+        go.touch()
+        for peer in (a, b):
+            stop(peer.process)
+        boot.stop()
+    log = b.log()
+    last = log.strip().splitlines()[-1]
+    assert code == 1 and "SwarmLostError" in last, log[-3000:]
+    saved = re.search(r"Its training state at step (\d+) is saved in (\S+): resume_from_checkpoint=", last)
+    assert saved, log[-3000:]
+    folder, step = Path(saved[2]), int(saved[1])
+    assert list((b.out / "output").glob("checkpoint-*")) == [folder] and step >= 8, (folder, step)
+    state = torch.load(folder / "optimizer.pt", weights_only=False)["diloco"]
+    assert state["outer_step"] == 2 and state["outer_step"] * 4 + state["inner_done"] == step, (state, step)
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step
+
+
 def test_a_peer_counted_in_a_round_it_failed_downloads_its_result(tmp_path, workdir):
     """Two peers; b's all-reduce of outer step 2 fails before it sends anything, in a group that counted it in (as
     when its search ends as the group assembles). a's round goes on without b's part and applies its result. b waits

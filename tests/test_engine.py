@@ -757,3 +757,35 @@ def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_a
             assert read == [optimizer.local_epoch], "the read did not end while the DHT was frozen"
         finally:
             os.kill(swarm.dht.pid, signal.SIGCONT)
+
+
+def test_a_wait_for_the_dht_in_a_background_thread_ends_once_its_process_has_ended():
+    """hivemind's DHT keeps both ends of its request pipe: a request to a DHT process that has ended is sent without an
+    error and its answer awaited for good (a DiLoCo sync in the background waited so, and its peer could not save its
+    state as it stopped: test_diloco.py). In a thread other than the main one, `dht_answer` raises DHTProcessEnded
+    once the process is gone, and a background read of the swarm (`read_latest`) is None well before
+    DHT_READ_TIMEOUT."""
+    from trahiv.engine.liveness import DHTProcessEnded, dht_answer
+    from trahiv.engine.optimizer import DHT_READ_TIMEOUT, read_latest
+
+    with lone_peer("killed_dht", target=2, batch=1) as (swarm, _, _):
+        dht = swarm.dht
+        os.kill(dht.pid, signal.SIGKILL)
+        outcomes: list[tuple[str, float]] = []
+
+        def wait_in_a_thread() -> None:
+            began = time.monotonic()
+            try:
+                dht_answer(dht, dht.get("killed_dht_anything", latest=True, return_future=True))
+                outcomes.append(("answered", time.monotonic() - began))
+            except DHTProcessEnded:
+                outcomes.append(("ended", time.monotonic() - began))
+            began = time.monotonic()
+            found = read_latest(dht, "killed_dht_anything")
+            outcomes.append((f"read {found}", time.monotonic() - began))
+
+        waiter = threading.Thread(target=wait_in_a_thread, daemon=True)
+        waiter.start()
+        waiter.join(timeout=3 * DHT_READ_TIMEOUT)
+        assert [outcome for outcome, _ in outcomes] == ["ended", "read None"], outcomes
+        assert all(seconds < DHT_READ_TIMEOUT / 2 for _, seconds in outcomes), outcomes

@@ -67,6 +67,7 @@ from trahiv.config import HivemindConfig
 from trahiv.engine import fixes
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
+from trahiv.engine.liveness import dht_answer
 from trahiv.engine.optimizer import WHOLE_STATE_WAIT, newest_served
 from trahiv.engine.traffic import total_traffic
 from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
@@ -538,7 +539,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _others(self) -> dict[str, PeerProgress]:
         """The other peers' fresh progress records (also kept in `self.peers`)."""
-        found = self.swarm.dht.get(self.progress_key, latest=True)
+        dht = self.swarm.dht  # (a DHT process that has ended: DHTProcessEnded, the sync in the background ends)
+        found = dht_answer(dht, dht.get(self.progress_key, latest=True, return_future=True))
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         records = [PeerProgress.parse(getattr(entry, "value", None)) for entry in entries.values()]
         own = self.swarm.peer_id
@@ -926,13 +928,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _publish(self, wait: bool = False) -> None:
         record = self._record()
-        self.swarm.dht.store(
+        dht = self.swarm.dht
+        stored = dht.store(
             self.progress_key,
             subkey=record["peer_id"],
             value=record,
             expiration_time=record["time"] + RECORD_TTL,
-            return_future=not wait,
+            return_future=True,
         )
+        if wait:
+            dht_answer(dht, stored)
 
     def _publish_periodically(self) -> None:
         while not self._stop.wait(PUBLISH_PERIOD):

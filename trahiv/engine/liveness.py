@@ -7,7 +7,8 @@ cache, and the peer went on training alone while the others waited for it in eve
 `EngineWatch` waits on the processes' sentinels (and polls p2pd, the DHT process's child) and calls `on_lost` once with
 a sentence that says which process ended and how; the peer's own shutdown closes the watch first. A trainer
 (`trahiv.swarm.Swarm`) then stops with that sentence: at its next optimizer step, or, if it waits for an answer that
-will not come, where it waits (`trahiv.engine.fixes.interrupt_main`).
+will not come, where it waits (`trahiv.engine.fixes.interrupt_main`). A thread of the peer other than the main one that
+awaits the DHT's answer (`dht_answer`) gets DHTProcessEnded instead, once the DHT process is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
@@ -24,10 +26,11 @@ from trahiv.engine.fixes import kill_engine_processes, kill_if_named
 
 logger = logging.getLogger("trahiv.engine")
 
-__all__ = ["LIVENESS_PERIOD", "EngineWatch", "describe_exit"]
+__all__ = ["DHT_ANSWER_POLL", "LIVENESS_PERIOD", "DHTProcessEnded", "EngineWatch", "describe_exit", "dht_answer"]
 
 LIVENESS_PERIOD = 1.0  # seconds between looks at p2pd (the other processes wake the watch as they end)
 P2PD_AFTER_DHT_S = 2.0  # seconds a DHT process whose p2pd ended has to be seen ending too (then the DHT is named)
+DHT_ANSWER_POLL = 0.5  # seconds between looks at the DHT process while a request to it awaits its answer
 
 
 def describe_exit(code: int | None) -> str:
@@ -60,6 +63,32 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+class DHTProcessEnded(RuntimeError):
+    """A request to a DHT whose process has ended: its answer will never come."""
+
+
+def dht_answer(dht: Any, future: Any, timeout: float | None = None) -> Any:
+    """The answer to a request made to `dht` with `return_future=True`: `future.result(timeout)`, but in a thread other
+    than the main one DHTProcessEnded as soon as the DHT process is seen gone with the request unanswered. hivemind's
+    DHT keeps both ends of its request pipe, so a request to a DHT process that has ended is sent without an error and
+    its answer is awaited for good: a DiLoCo sync running in the background waited so for the others' progress, and
+    its peer, stopped by the engine watch, could not save its training state (the sync never ended). In the main
+    thread the engine watch ends such a wait itself, with the peer's one message (`fixes.interrupt_main`)."""
+    if threading.current_thread() is threading.main_thread():
+        return future.result(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = DHT_ANSWER_POLL if deadline is None else min(DHT_ANSWER_POLL, max(deadline - time.monotonic(), 0.0))
+        try:
+            return future.result(left)
+        except TimeoutError:
+            pid = getattr(dht, "pid", None)
+            if pid is None or _gone(pid):
+                raise DHTProcessEnded(f"the DHT process (pid {pid}) ended with a request unanswered") from None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 class EngineWatch:

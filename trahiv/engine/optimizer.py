@@ -43,6 +43,7 @@ from trahiv.engine.averagers import (
     RobustTrainingStateAverager,
 )
 from trahiv.engine.gate import gated
+from trahiv.engine.liveness import DHTProcessEnded, dht_answer
 from trahiv.engine.state import download_state, load_state
 from trahiv.protocol import (
     MIN_RATE,
@@ -104,12 +105,13 @@ def newest_served_step(dht: hivemind.DHT, run_id: str) -> int:
 
 
 def read_latest(dht: hivemind.DHT, key: str) -> Any:
-    """`dht.get(key, latest=True)`, but a read that gets no answer within DHT_READ_TIMEOUT (the DHT process died or
-    froze with the read in flight) is None: a background update that watched the swarm while its peer shut down
-    waited for such a read for good, and held the process at exit (stop 44, 0.05 s steps in background mode)."""
+    """`dht.get(key, latest=True)`, but a read that gets no answer within DHT_READ_TIMEOUT (the DHT process froze with
+    the read in flight), or whose DHT process has ended (`dht_answer`), is None: a background update that watched the
+    swarm while its peer shut down waited for such a read for good, and held the process at exit (stop 44, 0.05 s
+    steps in background mode)."""
     try:
-        return dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
-    except (TimeoutError, OSError, EOFError) as e:  # (OSError: the DHT's pipe is closed)
+        return dht_answer(dht, dht.get(key, latest=True, return_future=True), timeout=DHT_READ_TIMEOUT)
+    except (TimeoutError, DHTProcessEnded, OSError, EOFError) as e:  # (OSError: the DHT's pipe is closed)
         logger.debug(f"No answer from the DHT for {key!r}: {e!r}")
         return None
 
