@@ -465,27 +465,38 @@ def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir)
     assert done["global_step"] == 16 and done["outer_step"] == 4, done
 
 
-def test_an_overlapping_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp_path, workdir):
-    """Two DiLoCo peers with overlap; b's DHT process is killed while b's second sync, running in the background, waits
-    for a (held one inner step before its sync point). The sync ends at once as failed (b's own pseudo-gradient, as
-    for any failed sync) and b saves its training state as it stops: the state of an inner step, outer step and
-    inner steps adding up to it. (Before, the sync waited for good for an answer of the dead DHT process, and b left
-    without a checkpoint: "the engine process ended while this peer was updating its weights".)"""
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_a_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp_path, workdir, overlap):
+    """Two DiLoCo peers; b's DHT process is killed while b's second sync (outer step 1, at inner step 8) waits for a,
+    held one inner step before its sync point. b stops with one message and saves its training state: blocking, the
+    state of its sync point (the sync is taken at its next step once resumed); with overlap, the sync running in the
+    background ends at once as failed (b's own pseudo-gradient, as for any failed sync) and its outer step is in the
+    state saved. Before, the blocking sync counted as a change of the state (nothing saved: "the engine process ended
+    while this peer was updating its weights"), and the background one waited for good for the dead DHT process's
+    answer (nothing saved either)."""
     boot = start_bootstrap(tmp_path)
     go, sync_begun = tmp_path / "go", tmp_path / "b_sync_begun"
     common = {"workdir": str(workdir), "run_id": "diloco_lost_mid_sync", "initial_peers": boot.initial_peers,
               "batch_size": 2, "inner_steps": 4, "max_steps": 24, "sleep_per_step": 0.1, "opt": {"min_peers": 2},
-              "diloco": {"overlap": True}}  # fmt: skip
+              "diloco": {"overlap": overlap}}  # fmt: skip
     a = start_diloco_peer(tmp_path, "a", hold_at_step=7, hold_until=str(go), **common)
     b = start_diloco_peer(tmp_path, "b", save_steps=100, signal_sync_at=1, signal_file=str(sync_begun), **common)
+    peers = [a, b]
     try:
         wait_for(lambda: b._check_alive() and sync_begun.exists(), 120, "b's sync of outer step 1 waiting for a")
         dht = next(p for p in psutil.Process(b.process.pid).children() if any("p2pd" in c.name() for c in p.children()))
         dht.kill()
         code = b.process.wait(timeout=60)
+        stop(a.process)
+        resumed = None
+        if not overlap and "is saved in" in b.log():  # b again from its checkpoint, alone: 4 more inner steps
+            folder = re.findall(r"is saved in (\S+): resume_from_checkpoint=", b.log())[-1]
+            spec = {**common, "max_steps": 12, "opt": {"min_peers": 1}}
+            peers.append(start_diloco_peer(tmp_path, "b_resumed", resume=folder, save_steps=100, **spec))
+            resumed = peers[-1].finish(timeout=120)
     finally:
         go.touch()
-        for peer in (a, b):
+        for peer in peers:
             stop(peer.process)
         boot.stop()
     log = b.log()
@@ -494,9 +505,16 @@ def test_an_overlapping_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp
     saved = re.search(r"Its training state at step (\d+) is saved in (\S+): resume_from_checkpoint=", last)
     assert saved, log[-3000:]
     folder, step = Path(saved[2]), int(saved[1])
-    assert list((b.out / "output").glob("checkpoint-*")) == [folder] and step >= 8, (folder, step)
+    assert list((b.out / "output").glob("checkpoint-*")) == [folder], folder
     state = torch.load(folder / "optimizer.pt", weights_only=False)["diloco"]
-    assert state["outer_step"] == 2 and state["outer_step"] * 4 + state["inner_done"] == step, (state, step)
+    if overlap:  # (b trains on while its sync runs)
+        assert step >= 8 and state["outer_step"] == 2 and state["inner_done"] == step - 8, (state, step)
+    else:
+        assert step == 8 and (state["outer_step"], state["inner_done"]) == (1, 4), (state, step)
+        # resumed, it takes that sync first (alone now), then inner steps 9-12 of outer step 2: 4 inner steps, 8
+        # samples on top of the checkpoint's 16 (taking the sync after its first inner step, it made 5)
+        assert resumed is not None and (resumed["global_step"], resumed["outer_step"]) == (12, 3), resumed
+        assert resumed["metrics"]["samples_contributed"] == 24, resumed["metrics"]
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step
 
 

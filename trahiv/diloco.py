@@ -405,18 +405,29 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def sync(self) -> None:
         """Average pseudo-gradients with the peers at this outer step, take the outer step, copy it to the model."""
         began = time.monotonic()
-        self._publish(wait=True)  # this peer is at its sync point: the others stop waiting for it
-        behind = self._wait_for_peers()
-        if not behind:
-            self._fill_pseudo_gradients()
-            outcome = self._average(weight=self.samples)
-            behind = outcome == "failed" and self._swarm_is_ahead()
+        # until the outer step (or a download) the training state is that of the sync point, whole: a peer stopped
+        # meanwhile (its engine lost) saves it, and syncs at its next step once resumed
+        with fixes.state_whole():
+            self._publish(wait=True)  # this peer is at its sync point: the others stop waiting for it
+            behind = self._wait_for_peers()
+            if not behind:
+                self._fill_pseudo_gradients()
+                outcome = self._average(weight=self.samples)
+                behind = outcome == "failed" and self._swarm_is_ahead()
         if not (behind and self._adopt_after_a_missed_sync()):
             if behind:
                 self._fill_pseudo_gradients()
             self._apply_outer_step()
         self._publish()
         self.sync_wait_s += time.monotonic() - began
+
+    def sync_if_due(self) -> None:
+        """Before the first inner step: the sync of a checkpoint saved at its sync point (its peer stopped while the
+        sync waited for the others, `sync`), taken now, so that the next inner step is the first of the next outer
+        step, as it would have been."""
+        if self._pending is None and self.inner_done >= self.interval:
+            logger.info(f"Resumed at the sync point of outer step {self.outer_step}: syncing before training on")
+            self.start_sync() if self.cfg.overlap else self.sync()
 
     def _adopt_after_a_missed_sync(self) -> bool:
         """The swarm took this outer step without this peer, or holds other outer parameters at it (`_adopt_from`):
@@ -1085,8 +1096,9 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         swarm.mark_ready()  # min_peers counts peers that train
         peers = swarm.wait_for_peers()
         opt.wait_for_records(peers - 1, timeout=min(swarm.config.opt.min_peers_timeout, 30.0))
-        with fixes.changing_state():  # (a download of the swarm's outer state)
+        with fixes.changing_state():  # (a download of the swarm's outer state; a sync due)
             opt.join()
+            opt.sync_if_due()
         self._follow(state)
         return control
 

@@ -252,6 +252,21 @@ def changing_state() -> typing.Iterator[None]:
         _changing -= 1
 
 
+@contextlib.contextmanager
+def state_whole() -> typing.Iterator[None]:
+    """Inside a `changing_state` block, main-thread code that only waits (for the peers, for an average) while the
+    training state is whole, as at the step before: an interrupt raised in it leaves the state whole."""
+    global _changing
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held, _changing = _changing, 0
+    try:
+        yield
+    finally:
+        _changing = held
+
+
 def _note_where_raised() -> None:
     global _raised_mid_change
     if threading.current_thread() is threading.main_thread():  # (sticky: a torn update stays torn once swallowed)

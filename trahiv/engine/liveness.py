@@ -7,8 +7,8 @@ cache, and the peer went on training alone while the others waited for it in eve
 `EngineWatch` waits on the processes' sentinels (and polls p2pd, the DHT process's child) and calls `on_lost` once with
 a sentence that says which process ended and how; the peer's own shutdown closes the watch first. A trainer
 (`trahiv.swarm.Swarm`) then stops with that sentence: at its next optimizer step, or, if it waits for an answer that
-will not come, where it waits (`trahiv.engine.fixes.interrupt_main`). A thread of the peer other than the main one that
-awaits the DHT's answer (`dht_answer`) gets DHTProcessEnded instead, once the DHT process is gone.
+will not come, where it waits (`trahiv.engine.fixes.interrupt_main`). A request to the DHT awaited through `dht_answer`
+ends once the DHT process is gone: in a thread other than the main one with DHTProcessEnded.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from trahiv.engine.fixes import kill_engine_processes, kill_if_named
+from trahiv.engine.fixes import INTERRUPT_GRACE, kill_engine_processes, kill_if_named, raise_if_interrupted
 
 logger = logging.getLogger("trahiv.engine")
 
@@ -31,6 +31,7 @@ __all__ = ["DHT_ANSWER_POLL", "LIVENESS_PERIOD", "DHTProcessEnded", "EngineWatch
 LIVENESS_PERIOD = 1.0  # seconds between looks at p2pd (the other processes wake the watch as they end)
 P2PD_AFTER_DHT_S = 2.0  # seconds a DHT process whose p2pd ended has to be seen ending too (then the DHT is named)
 DHT_ANSWER_POLL = 0.5  # seconds between looks at the DHT process while a request to it awaits its answer
+DHT_GONE_GRACE = P2PD_AFTER_DHT_S + INTERRUPT_GRACE  # (main thread) seconds for the watch's error to come
 
 
 def describe_exit(code: int | None) -> str:
@@ -70,15 +71,15 @@ class DHTProcessEnded(RuntimeError):
 
 
 def dht_answer(dht: Any, future: Any, timeout: float | None = None) -> Any:
-    """The answer to a request made to `dht` with `return_future=True`: `future.result(timeout)`, but in a thread other
-    than the main one DHTProcessEnded as soon as the DHT process is seen gone with the request unanswered. hivemind's
-    DHT keeps both ends of its request pipe, so a request to a DHT process that has ended is sent without an error and
-    its answer is awaited for good: a DiLoCo sync running in the background waited so for the others' progress, and
-    its peer, stopped by the engine watch, could not save its training state (the sync never ended). In the main
-    thread the engine watch ends such a wait itself, with the peer's one message (`fixes.interrupt_main`)."""
-    if threading.current_thread() is threading.main_thread():
-        return future.result(timeout)
+    """The answer to a request made to `dht` with `return_future=True` (`future.result(timeout)`), or an error once
+    the DHT process is seen gone with the request unanswered. hivemind's DHT keeps both ends of its request pipe, so a
+    request to a DHT process that has ended is sent without an error and its answer awaited for good: a DiLoCo sync
+    running in the background waited so for the others' progress, and its peer, stopped by the engine watch, could not
+    save its training state (the sync never ended). The error is DHTProcessEnded; in the main thread, the engine
+    watch's (the peer's one message, `fixes.interrupt_main`) once it has come, also after a handler swallowed it."""
+    main = threading.current_thread() is threading.main_thread()
     deadline = None if timeout is None else time.monotonic() + timeout
+    gone_since: float | None = None
     while True:
         left = DHT_ANSWER_POLL if deadline is None else min(DHT_ANSWER_POLL, max(deadline - time.monotonic(), 0.0))
         try:
@@ -86,7 +87,12 @@ def dht_answer(dht: Any, future: Any, timeout: float | None = None) -> Any:
         except TimeoutError:
             pid = getattr(dht, "pid", None)
             if pid is None or _gone(pid):
-                raise DHTProcessEnded(f"the DHT process (pid {pid}) ended with a request unanswered") from None
+                gone_since = time.monotonic() if gone_since is None else gone_since
+                if main:
+                    raise_if_interrupted()
+                # (the main thread of a watched peer gives the watch time to name the process that ended)
+                if not main or time.monotonic() - gone_since >= DHT_GONE_GRACE:
+                    raise DHTProcessEnded(f"the DHT process (pid {pid}) ended with a request unanswered") from None
             if deadline is not None and time.monotonic() >= deadline:
                 raise
 
