@@ -14,8 +14,12 @@ stepped alone). With the fix it asks again at once and the group holds all three
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import multiprocessing as mp
+import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any, AsyncIterator  # noqa: UP035  (hivemind finds streaming RPCs by typing.AsyncIterator)
 
@@ -127,12 +131,36 @@ def slow_assembling_leader(hold_until: Any) -> type[ReportingAverager]:
     return SlowAssemblingLeader
 
 
+@contextlib.contextmanager
+def debug_logs() -> Iterator[None]:
+    """hivemind's matchmaking and trahiv's engine fixes log at DEBUG to stderr, also in the averager processes forked
+    meanwhile: pytest shows it with a failure (a timing race seen once in a clean-clone run left nothing to read)."""
+    names = ("hivemind.averaging.matchmaking", "hivemind.averaging.averager", "trahiv.averaging")
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [(logger.level, logger.propagate) for logger in loggers]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(process)d [%(name)s] %(message)s", "%H:%M:%S"))
+    trahiv_logger = loggers[-1]
+    trahiv_logger.addHandler(handler)
+    trahiv_logger.propagate = False
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        trahiv_logger.removeHandler(handler)
+        for logger, (level, propagate) in zip(loggers, saved, strict=True):
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
 def run_late_leader(
     stack: ExitStack, leader_cls: Any, prefix: str, **common: Any
 ) -> tuple[list[Any], list[torch.Tensor]]:
     """A leader (declares 3 s; `leader_cls(hold_until)`) and a client-mode follower (its step: 4 s); the leader's
-    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results and
-    each averager's tensors afterwards."""
+    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results (each
+    with its duration in seconds) and each averager's tensors afterwards."""
+    stack.enter_context(debug_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
     for dht in dhts:
@@ -146,7 +174,8 @@ def run_late_leader(
     for averager in averagers:
         stack.callback(averager.shutdown)
     hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
-    results, _ = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
+    results, seconds = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
+    logging.getLogger("trahiv.averaging").debug(f"steps ended after {seconds} s: {results}")
     tensors = []
     for averager in averagers:
         with averager.get_tensors() as (tensor,):
