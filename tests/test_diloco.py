@@ -515,6 +515,11 @@ def test_a_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp_path, workdi
         # samples on top of the checkpoint's 16 (taking the sync after its first inner step, it made 5)
         assert resumed is not None and (resumed["global_step"], resumed["outer_step"]) == (12, 3), resumed
         assert resumed["metrics"]["samples_contributed"] == 24, resumed["metrics"]
+        # and the learning rate of its schedule's step 9 at step 10 (the Trainer logs the one a step used): linear,
+        # warmup 2, 12 steps: 3e-3 x 3 / 10 (the checkpoint's scheduler is at step 7: without the schedule set to the
+        # DiLoCo step as training begins, 3e-3 x 4 / 10)
+        lrs = {r["step"]: float(r["learning_rate"]) for r in peers[-1].records("log") if "learning_rate" in r}
+        assert lrs.get(10) == pytest.approx(9e-4), lrs
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step
 
 

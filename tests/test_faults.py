@@ -165,13 +165,15 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     without p2pd it trained on alone, while the other peer waited for it round after round. Now it stops at once with
     one message that names the process and how it ended, leaves nothing running (p2pd, orphaned by its DHT, too), and
     the other peer finishes the run. Its training state is saved as a checkpoint first (its `save_steps` would have
-    saved none in this run): the weights of the last step it took, from which it resumes."""
+    saved none in this run): the weights of the last step it took, from which it resumes; with `save_strategy="no"`
+    (the p2pd case) nothing is saved."""
     boot = start_bootstrap(tmp_path)
     common = dict(workdir=str(workdir), run_id=fault, target=8, max_steps=8, batch_size=4, sleep_per_step=0.1,
                   initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})  # fmt: skip
     try:
         a = start_peer(tmp_path, "a", **common)
-        b = start_peer(tmp_path, "b", faults=[{"kind": fault, "at_step": 3}], save_steps=100, **common)
+        saving = {"save_steps": 100} if fault == "kill_dht" else {}  # (the p2pd case: save_strategy "no")
+        b = start_peer(tmp_path, "b", faults=[{"kind": fault, "at_step": 3}], **saving, **common)
         b.wait_step(2)
         tree = process_tree(b.process.pid)  # b, its DHT (with p2pd) and averagers
         assert len(tree) >= 4, tree
@@ -179,9 +181,9 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
         done = a.finish()
         log = b.log()
         saved = re.search(r"Its training state at step (\d+) is saved in (\S+): resume_from_checkpoint=", log)
-        assert saved, log[-3000:]
-        step, folder = int(saved[1]), Path(saved[2])
-        if fault == "kill_dht":  # the checkpoint resumes: b again, alone for one more step
+        assert bool(saved) == (fault == "kill_dht"), log[-3000:]
+        if saved:  # the checkpoint resumes: b again, alone for one more step
+            step, folder = int(saved[1]), Path(saved[2])
             resumed = start_peer(tmp_path, "b_resumed", resume=str(folder), save_steps=100,
                                  **{**common, "max_steps": step + 1, "opt": {"min_peers": 1}})  # fmt: skip
             resumed.finish()
@@ -200,6 +202,10 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     assert fired["step"] == 3
     wait_exited(tree, 10, "b's processes")
     assert done["global_step"] == 8
+    if not saved:  # save_strategy "no": the message ends as it began, and no checkpoint anywhere under b's folder
+        assert log.strip().splitlines()[-1].endswith("or resume from its last checkpoint"), log[-3000:]
+        assert not list(b.out.rglob("checkpoint-*")), list(b.out.rglob("checkpoint-*"))
+        return
     # the checkpoint holds the weights b had after its last step, labelled with that step
     last = [row for row in b.records("step") if row["step"] <= step][-1]
     assert last["step"] == step >= 3, (last, step)

@@ -1099,7 +1099,7 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         with fixes.changing_state():  # (a download of the swarm's outer state; a sync due)
             opt.join()
             opt.sync_if_due()
-        self._follow(state)
+        self._follow(state, schedule=True)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -1117,9 +1117,13 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
         self.diloco.serve_late_peers()  # (not after an interruption: the Trainer calls this only at the end)
         return control
 
-    def _follow(self, state: Any) -> None:
+    def _follow(self, state: Any, schedule: bool = False) -> None:
+        """The Trainer's step (and its LR schedule's) at the DiLoCo step. With `schedule`, the schedule's in any case:
+        a checkpoint saved as its peer stopped inside an inner step's sync (`DiLoCoOptimizer.sync`) holds the
+        schedule of the step before (the Trainer steps it after the optimizer), and the resumed peer trained one step
+        behind its schedule."""
         step = self.diloco.global_step
-        if step != state.global_step:
+        if step != state.global_step or schedule:
             state.global_step = step
             set_schedule_step(self.trainer.lr_scheduler, step)
 
