@@ -19,6 +19,10 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
 - `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
   peer at once from a common start: what the links allow, without libp2p or Python per part.
+- `tcp-ring`: the same bytes over plain TCP, each peer's 2 (N - 1) / N x S all to the next peer: one flow per link
+  and direction (a ring all-reduce's traffic, without its dependencies).
+- `tcp-shifted`: the same bytes as `tcp`, each peer's 2 x S / N to each other peer in turn (the next peer first):
+  one flow per link and direction at a time, as a butterfly whose senders take their peers in a shifted order.
 - `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
   other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
   sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
@@ -52,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LORA_RANK, HIDDEN = 16, 4096  # LoRA of a 7B model: A (16 x 4096) and B (4096 x 16), 65,536 values each
 HUB, PREFIX, SUBNET = "h5hub", "h5p", "10.213.0"
-NOT_AVERAGERS = ("swarm", "tcp", "tcp-butterfly", "p2p-butterfly")
+NOT_AVERAGERS = ("swarm", "tcp", "tcp-ring", "tcp-shifted", "tcp-butterfly", "p2p-butterfly")
 
 
 # --- network namespaces -------------------------------------------------------------------------------------------
@@ -308,7 +312,10 @@ def tcp_worker(spec: dict) -> None:
     import socket
 
     rank, peers, hosts, payload = spec["rank"], spec["peers"], spec["hosts"], spec["payload_bytes"]
-    per_pair = 2 * payload // peers
+    ring = spec.get("ring", False)  # `tcp-ring`: all of it to the next peer (one flow per link and direction)
+    shifted = spec.get("shifted", False)  # `tcp-shifted`: to each other peer in turn, the next peer first
+    per_pair = 2 * (peers - 1) * payload // peers if ring else 2 * payload // peers
+    senders = 1 if ring else peers - 1
     chunk = b"\0" * 2**20
     times = []
 
@@ -329,7 +336,7 @@ def tcp_worker(spec: dict) -> None:
 
     def all_in(n: int) -> bool:
         count[0] += n
-        return count[0] == peers - 1
+        return count[0] == senders
 
     async def connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         for _ in range(50):  # the others' servers may not be up yet
@@ -439,6 +446,11 @@ def tcp_worker(spec: dict) -> None:
                 await asyncio.gather(*(send_butterfly(index, *h) for i, h in enumerate(hosts) if i != rank))
                 await reducer(index)["done"]  # this peer's own span returned to every sender
                 received.set_result(None)
+            elif ring:
+                await send(*hosts[(rank + 1) % peers])
+            elif shifted:
+                for k in range(1, peers):
+                    await send(*hosts[(rank + k) % peers])
             else:
                 await asyncio.gather(*(send(*h) for i, h in enumerate(hosts) if i != rank))
             await received
@@ -573,6 +585,10 @@ def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
     for name in args.compressions:
         if "tcp" in args.engines:
             rows += run_tcp(args, peers, mbit, name)
+        if "tcp-ring" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, ring=True)
+        if "tcp-shifted" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, shifted=True)
         if "tcp-butterfly" in args.engines:
             rows += run_tcp(args, peers, mbit, name, butterfly=True)
         if "p2p-butterfly" in args.engines:
@@ -599,10 +615,18 @@ def launch(args: argparse.Namespace, namespaces: Namespaces | None, peers: int, 
 
 
 def run_tcp(
-    args: argparse.Namespace, peers: int, mbit: float, name: str, butterfly: bool = False, p2p: bool = False
+    args: argparse.Namespace,
+    peers: int,
+    mbit: float,
+    name: str,
+    butterfly: bool = False,
+    p2p: bool = False,
+    ring: bool = False,
+    shifted: bool = False,
 ) -> list[dict]:
     """The same bytes over plain TCP between the same namespaces: what the links allow (see tcp_worker); with
-    `butterfly`, in parts that a reducer returns once every sender's copy arrived; with `p2p`, over libp2p streams."""
+    `butterfly`, in parts that a reducer returns once every sender's copy arrived; with `p2p`, over libp2p streams;
+    with `ring`, each peer's bytes all to the next peer; with `shifted`, to each other peer in turn."""
     namespaces = Namespaces(peers) if mbit > 0 else None
     payload = sum(a * b for a, b in lora_shapes(args.params, args.tensors)) * {"none": 4, "fp16": 2}.get(name, 1)
     procs: list[subprocess.Popen] = []
@@ -611,8 +635,8 @@ def run_tcp(
             namespaces.shape(mbit, args.queue_ms)
         hosts = [[namespaces.ip(i) if namespaces else "127.0.0.1", 7000 + i] for i in range(peers)]
         spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds,
-                "butterfly": butterfly, "p2p": p2p, "part_bytes": args.trahiv_part_bytes,
-                "step_timeout": args.step_timeout}  # fmt: skip
+                "butterfly": butterfly, "p2p": p2p, "ring": ring, "shifted": shifted,
+                "part_bytes": args.trahiv_part_bytes, "step_timeout": args.step_timeout}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, spec)
             failed = []
@@ -635,6 +659,10 @@ def run_tcp(
         if p2p
         else "tcp-butterfly (parts returned once all senders' arrived)"
         if butterfly
+        else "tcp-ring (the bytes alone, each peer's to the next)"
+        if ring
+        else "tcp-shifted (the bytes alone, to each other peer in turn)"
+        if shifted
         else "tcp (the bytes alone)"
     )
     if failed:
@@ -831,7 +859,8 @@ def main() -> None:
     parser.add_argument("--compressions", nargs="+", default=["fp16", "uniform8bit", "size_adaptive"])
     parser.add_argument(
         "--engines", nargs="+", default=["hivemind", "trahiv"],
-        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp", "tcp-butterfly", "p2p-butterfly"],
+        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp", "tcp-ring", "tcp-shifted",
+                 "tcp-butterfly", "p2p-butterfly"],
         help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
              "as the Trainer builds them (gradient and parameter rounds reported separately)",
     )  # fmt: skip
