@@ -23,6 +23,10 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   and direction (a ring all-reduce's traffic, without its dependencies).
 - `tcp-shifted`: the same bytes as `tcp`, each peer's 2 x S / N to each other peer in turn (the next peer first):
   one flow per link and direction at a time, as a butterfly whose senders take their peers in a shifted order.
+- `tcp-ring-allreduce`: a ring all-reduce's dependencies over plain TCP: S in N segments of `--trahiv-part-bytes`
+  parts, 2 (N - 1) steps, each peer sending the next peer one segment a step and a part of it only once it has
+  received that part from the previous peer (its own segment first); no compute, one connection each way.
+  `p2p-ring-allreduce`: the same over libp2p streams (each peer's DHT and p2pd, as `p2p-butterfly`).
 - `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
   other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
   sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
@@ -56,7 +60,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LORA_RANK, HIDDEN = 16, 4096  # LoRA of a 7B model: A (16 x 4096) and B (4096 x 16), 65,536 values each
 HUB, PREFIX, SUBNET = "h5hub", "h5p", "10.213.0"
-NOT_AVERAGERS = ("swarm", "tcp", "tcp-ring", "tcp-shifted", "tcp-butterfly", "p2p-butterfly")
+NOT_AVERAGERS = (
+    "swarm",
+    "tcp",
+    "tcp-ring",
+    "tcp-shifted",
+    "tcp-ring-allreduce",
+    "p2p-ring-allreduce",
+    "tcp-butterfly",
+    "p2p-butterfly",
+)
 
 
 # --- network namespaces -------------------------------------------------------------------------------------------
@@ -314,6 +327,7 @@ def tcp_worker(spec: dict) -> None:
     rank, peers, hosts, payload = spec["rank"], spec["peers"], spec["hosts"], spec["payload_bytes"]
     ring = spec.get("ring", False)  # `tcp-ring`: all of it to the next peer (one flow per link and direction)
     shifted = spec.get("shifted", False)  # `tcp-shifted`: to each other peer in turn, the next peer first
+    ring_allreduce = spec.get("ring_allreduce", False)
     per_pair = 2 * (peers - 1) * payload // peers if ring else 2 * payload // peers
     senders = 1 if ring else peers - 1
     chunk = b"\0" * 2**20
@@ -359,12 +373,59 @@ def tcp_worker(spec: dict) -> None:
         writer.close()
         await writer.wait_closed()
 
+    part_bytes = b"\0" * min(spec["part_bytes"], payload // peers)
+
+    # --- `tcp-ring-allreduce`: a ring all-reduce's dependencies over plain TCP ---------------------------------
+    # S in N segments of parts; 2 (N - 1) steps: at step t a peer sends the next peer segment (rank - t) mod N, a part
+    # of it once it has received that part from the previous peer at step t - 1 (its own segment at step 0): the
+    # reduce-scatter's N - 1 steps, then the all-gather's; no compute, one connection each way.
+    segment = payload // peers
+    ring_parts = [min(spec["part_bytes"], segment - at) for at in range(0, segment, spec["part_bytes"])]
+    ring_steps = 2 * (peers - 1)
+    ring_rounds: dict[int, list[list[asyncio.Event]]] = {}
+
+    def ring_ready(index: int) -> list[list[asyncio.Event]]:
+        if index not in ring_rounds:
+            ring_rounds[index] = [[asyncio.Event() for _ in ring_parts] for _ in range(ring_steps)]
+            for event in ring_rounds[index][0]:
+                event.set()
+        return ring_rounds[index]
+
+    async def handle_ring(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = (await reader.readexactly(1))[0]
+        ready = ring_ready(index)
+        for step in range(ring_steps):
+            for part, size in enumerate(ring_parts):
+                await reader.readexactly(size)
+                if step + 1 < ring_steps:
+                    ready[step + 1][part].set()
+        received.set_result(None)
+        writer.write(b"\1")  # all in: the sender may close (a libp2p stream closed with data in flight may lose it)
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def send_ring(index: int, host: str, port: int) -> None:
+        if p2p is not None:  # `p2p-ring-allreduce`: a libp2p stream through this peer's p2pd
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_ids[port - 7000], "bench_butterfly")
+        else:
+            reader, writer = await connect(host, port)
+        writer.write(bytes([index]))
+        await asyncio.sleep(max(0.0, start_at[0] - time.time()))
+        ready = ring_ready(index)
+        for step in range(ring_steps):
+            for part, size in enumerate(ring_parts):
+                await ready[step][part].wait()
+                writer.write(part_bytes[:size])
+                await writer.drain()
+        await reader.readexactly(1)
+        writer.close()
+
     # --- `tcp-butterfly`: the butterfly's dependencies over plain TCP -------------------------------------------
     # Each peer reduces a span of S / N; each other peer sends it that span in parts and gets the part back once every
     # sender's copy of it arrived (as an all-reduce's reducer returns the averaged part), no compute, no libp2p.
     span = payload // peers
     part_sizes = [min(spec["part_bytes"], span - at) for at in range(0, span, spec["part_bytes"])]
-    part_bytes = b"\0" * max(part_sizes)
     reducing: dict[int, dict] = {}
 
     def reducer(index: int) -> dict:
@@ -426,7 +487,8 @@ def tcp_worker(spec: dict) -> None:
             if rank == 0:
                 print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
             p2p = await dht.replicate_p2p()
-            await p2p.add_binary_stream_handler("bench_butterfly", lambda _, r, w: handle_butterfly(r, w))
+            handle = handle_ring if ring_allreduce else handle_butterfly
+            await p2p.add_binary_stream_handler("bench_butterfly", lambda _, r, w: handle(r, w))
             dht.store(f"bench_peer_{rank}", p2p.peer_id.to_base58(), get_dht_time() + 600)
             for other in range(peers):
                 for _ in range(100):  # bounded: the others store theirs within seconds
@@ -437,12 +499,15 @@ def tcp_worker(spec: dict) -> None:
                     await asyncio.sleep(0.2)
             server: Any = None
         else:
-            server = await asyncio.start_server(handle_butterfly, *hosts[rank]) if butterfly else await serve()
+            handler = handle_ring if ring_allreduce else handle_butterfly if butterfly else None
+            server = await asyncio.start_server(handler, *hosts[rank]) if handler else await serve()
             if rank == 0:  # (the driver reads the first peer's addresses)
                 print(json.dumps({"maddrs": []}), flush=True)
 
         async def one_round(index: int) -> None:
-            if butterfly:
+            if ring_allreduce:
+                await send_ring(index, *hosts[(rank + 1) % peers])
+            elif butterfly:
                 await asyncio.gather(*(send_butterfly(index, *h) for i, h in enumerate(hosts) if i != rank))
                 await reducer(index)["done"]  # this peer's own span returned to every sender
                 received.set_result(None)
@@ -589,6 +654,10 @@ def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
             rows += run_tcp(args, peers, mbit, name, ring=True)
         if "tcp-shifted" in args.engines:
             rows += run_tcp(args, peers, mbit, name, shifted=True)
+        if "tcp-ring-allreduce" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, ring_allreduce=True)
+        if "p2p-ring-allreduce" in args.engines:
+            rows += run_tcp(args, peers, mbit, name, p2p=True, ring_allreduce=True)
         if "tcp-butterfly" in args.engines:
             rows += run_tcp(args, peers, mbit, name, butterfly=True)
         if "p2p-butterfly" in args.engines:
@@ -623,10 +692,12 @@ def run_tcp(
     p2p: bool = False,
     ring: bool = False,
     shifted: bool = False,
+    ring_allreduce: bool = False,
 ) -> list[dict]:
     """The same bytes over plain TCP between the same namespaces: what the links allow (see tcp_worker); with
     `butterfly`, in parts that a reducer returns once every sender's copy arrived; with `p2p`, over libp2p streams;
-    with `ring`, each peer's bytes all to the next peer; with `shifted`, to each other peer in turn."""
+    with `ring`, each peer's bytes all to the next peer; with `shifted`, to each other peer in turn; with
+    `ring_allreduce`, to the next peer in a ring all-reduce's steps (a part forwarded once received)."""
     namespaces = Namespaces(peers) if mbit > 0 else None
     payload = sum(a * b for a, b in lora_shapes(args.params, args.tensors)) * {"none": 4, "fp16": 2}.get(name, 1)
     procs: list[subprocess.Popen] = []
@@ -635,7 +706,7 @@ def run_tcp(
             namespaces.shape(mbit, args.queue_ms)
         hosts = [[namespaces.ip(i) if namespaces else "127.0.0.1", 7000 + i] for i in range(peers)]
         spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds,
-                "butterfly": butterfly, "p2p": p2p, "ring": ring, "shifted": shifted,
+                "butterfly": butterfly, "p2p": p2p, "ring": ring, "shifted": shifted, "ring_allreduce": ring_allreduce,
                 "part_bytes": args.trahiv_part_bytes, "step_timeout": args.step_timeout}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, spec)
@@ -655,10 +726,14 @@ def run_tcp(
             for proc in procs:
                 stop(proc)
     engine = (
-        "p2p-butterfly (libp2p streams)"
+        "p2p-ring-allreduce (libp2p streams)"
+        if p2p and ring_allreduce
+        else "p2p-butterfly (libp2p streams)"
         if p2p
         else "tcp-butterfly (parts returned once all senders' arrived)"
         if butterfly
+        else "tcp-ring-allreduce (a ring all-reduce's steps, parts forwarded once received)"
+        if ring_allreduce
         else "tcp-ring (the bytes alone, each peer's to the next)"
         if ring
         else "tcp-shifted (the bytes alone, to each other peer in turn)"
@@ -860,7 +935,7 @@ def main() -> None:
     parser.add_argument(
         "--engines", nargs="+", default=["hivemind", "trahiv"],
         choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp", "tcp-ring", "tcp-shifted",
-                 "tcp-butterfly", "p2p-butterfly"],
+                 "tcp-ring-allreduce", "p2p-ring-allreduce", "tcp-butterfly", "p2p-butterfly"],
         help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
              "as the Trainer builds them (gradient and parameter rounds reported separately)",
     )  # fmt: skip
