@@ -469,11 +469,11 @@ def test_a_peer_whose_dht_process_dies_stops_with_one_message(tmp_path, workdir)
 def test_a_peer_whose_dht_process_dies_mid_sync_saves_its_state(tmp_path, workdir, overlap):
     """Two DiLoCo peers; b's DHT process is killed while b's second sync (outer step 1, at inner step 8) waits for a,
     held one inner step before its sync point. b stops with one message and saves its training state: blocking, the
-    state of its sync point (the sync is taken at its next step once resumed); with overlap, the sync running in the
-    background ends at once as failed (b's own pseudo-gradient, as for any failed sync) and its outer step is in the
-    state saved. Before, the blocking sync counted as a change of the state (nothing saved: "the engine process ended
-    while this peer was updating its weights"), and the background one waited for good for the dead DHT process's
-    answer (nothing saved either)."""
+    state of its sync point (resumed, b takes that sync before its next inner step); with overlap, the sync running
+    in the background ends at once as failed (b's own pseudo-gradient, as for any failed sync) and its outer step is
+    in the state saved. Before, the blocking sync counted as a change of the state (nothing saved: "the engine
+    process ended while this peer was updating its weights"), and the background one waited for good for the dead DHT
+    process's answer (nothing saved either)."""
     boot = start_bootstrap(tmp_path)
     go, sync_begun = tmp_path / "go", tmp_path / "b_sync_begun"
     common = {"workdir": str(workdir), "run_id": "diloco_lost_mid_sync", "initial_peers": boot.initial_peers,

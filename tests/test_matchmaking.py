@@ -158,8 +158,8 @@ def run_late_leader(
     stack: ExitStack, leader_cls: Any, prefix: str, **common: Any
 ) -> tuple[list[Any], list[torch.Tensor]]:
     """A leader (declares 3 s; `leader_cls(hold_until)`) and a client-mode follower (its step: 4 s); the leader's
-    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results (each
-    with its duration in seconds) and each averager's tensors afterwards."""
+    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results and
+    each averager's tensors afterwards (the steps' durations go to the debug log, shown with a failure)."""
     stack.enter_context(debug_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
