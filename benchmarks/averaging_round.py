@@ -26,7 +26,9 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
 - `tcp-ring-allreduce`: a ring all-reduce's dependencies over plain TCP: S in N segments of `--trahiv-part-bytes`
   parts, 2 (N - 1) steps, each peer sending the next peer one segment a step and a part of it only once it has
   received that part from the previous peer (its own segment first); no compute, one connection each way.
-  `p2p-ring-allreduce`: the same over libp2p streams (each peer's DHT and p2pd, as `p2p-butterfly`).
+  `p2p-ring-allreduce`: the same over libp2p streams (each peer's DHT and p2pd, as `p2p-butterfly`). With
+  `--ring-compute` (fp16) each part received in the reduce-scatter is decoded, added to the peer's own values and
+  encoded before it goes on, and one received in the all-gather decoded.
 - `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
   other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
   sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
@@ -324,6 +326,8 @@ def tcp_worker(spec: dict) -> None:
     import asyncio
     import socket
 
+    import numpy as np
+
     rank, peers, hosts, payload = spec["rank"], spec["peers"], spec["hosts"], spec["payload_bytes"]
     ring = spec.get("ring", False)  # `tcp-ring`: all of it to the next peer (one flow per link and direction)
     shifted = spec.get("shifted", False)  # `tcp-shifted`: to each other peer in turn, the next peer first
@@ -391,13 +395,26 @@ def tcp_worker(spec: dict) -> None:
                 event.set()
         return ring_rounds[index]
 
+    # `--ring-compute` (fp16): what a reducer computes per part: a part received in the reduce-scatter is decoded,
+    # added to this peer's own values and encoded again before it goes on; one received in the all-gather is decoded
+    # into the result and forwarded as it came
+    compute = spec.get("ring_compute", False) and spec["compression"] == "fp16"
+    own = np.zeros(max(ring_parts) // 2, np.float32) if compute else None
+    outgoing: dict[tuple[int, int, int], bytes] = {}  # (round, step, part) -> the bytes to send, once computed
+
     async def handle_ring(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = (await reader.readexactly(1))[0]
         ready = ring_ready(index)
         for step in range(ring_steps):
             for part, size in enumerate(ring_parts):
-                await reader.readexactly(size)
+                data = await reader.readexactly(size)
+                if own is not None:
+                    values = np.frombuffer(data, np.float16).astype(np.float32)
+                    if step < peers - 1:  # reduce-scatter: add this peer's values, send the sum on
+                        data = (values + own[: values.size]).astype(np.float16).tobytes()
                 if step + 1 < ring_steps:
+                    if own is not None:
+                        outgoing[index, step + 1, part] = data
                     ready[step + 1][part].set()
         received.set_result(None)
         writer.write(b"\1")  # all in: the sender may close (a libp2p stream closed with data in flight may lose it)
@@ -416,7 +433,7 @@ def tcp_worker(spec: dict) -> None:
         for step in range(ring_steps):
             for part, size in enumerate(ring_parts):
                 await ready[step][part].wait()
-                writer.write(part_bytes[:size])
+                writer.write(outgoing.pop((index, step, part), None) or part_bytes[:size])
                 await writer.drain()
         await reader.readexactly(1)
         writer.close()
@@ -707,7 +724,8 @@ def run_tcp(
         hosts = [[namespaces.ip(i) if namespaces else "127.0.0.1", 7000 + i] for i in range(peers)]
         spec = {"tcp": True, "peers": peers, "hosts": hosts, "payload_bytes": payload, "rounds": args.rounds,
                 "butterfly": butterfly, "p2p": p2p, "ring": ring, "shifted": shifted, "ring_allreduce": ring_allreduce,
-                "part_bytes": args.trahiv_part_bytes, "step_timeout": args.step_timeout}  # fmt: skip
+                "part_bytes": args.trahiv_part_bytes, "step_timeout": args.step_timeout, "compression": name,
+                "ring_compute": args.ring_compute}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, spec)
             failed = []
@@ -725,14 +743,15 @@ def run_tcp(
         finally:
             for proc in procs:
                 stop(proc)
+    computing = ", fp16 decode, add, encode per part" if ring_allreduce and args.ring_compute and name == "fp16" else ""
     engine = (
-        "p2p-ring-allreduce (libp2p streams)"
+        f"p2p-ring-allreduce (libp2p streams{computing})"
         if p2p and ring_allreduce
         else "p2p-butterfly (libp2p streams)"
         if p2p
         else "tcp-butterfly (parts returned once all senders' arrived)"
         if butterfly
-        else "tcp-ring-allreduce (a ring all-reduce's steps, parts forwarded once received)"
+        else f"tcp-ring-allreduce (a ring all-reduce's steps, parts forwarded once received{computing})"
         if ring_allreduce
         else "tcp-ring (the bytes alone, each peer's to the next)"
         if ring
@@ -948,6 +967,11 @@ def main() -> None:
                         help="swarm peers' opt.matchmaking_time (the Trainer's default: 15)")  # fmt: skip
     parser.add_argument("--step-timeout", type=float, default=90.0)
     parser.add_argument("--trahiv-part-bytes", type=int, default=2**19)
+    parser.add_argument(
+        "--ring-compute",
+        action="store_true",
+        help="[tcp|p2p]-ring-allreduce with fp16: decode, add and encode each part as a reducer would",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
