@@ -17,6 +17,8 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   how far apart the peers began, is in it and reported too), the CPU each role of the peers' process trees used
   during it (main, this averager, DHT, p2pd, other), and the DHT messages and requests by key. Each step's update is
   checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
+- `swarm-ring`: the same peers with `opt.allreduce = "ring"`: gradient rounds as trahiv's ring all-reduce
+  (trahiv.engine.ring); parameter rounds stay on the butterfly.
 - `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
   peer at once from a common start: what the links allow, without libp2p or Python per part.
 - `tcp-ring`: the same bytes over plain TCP, each peer's 2 (N - 1) / N x S all to the next peer: one flow per link
@@ -64,6 +66,7 @@ LORA_RANK, HIDDEN = 16, 4096  # LoRA of a 7B model: A (16 x 4096) and B (4096 x 
 HUB, PREFIX, SUBNET = "h5hub", "h5p", "10.213.0"
 NOT_AVERAGERS = (
     "swarm",
+    "swarm-ring",
     "tcp",
     "tcp-ring",
     "tcp-shifted",
@@ -245,15 +248,20 @@ def swarm_worker(spec: dict) -> None:
         return Counter({**dht_stats.dht_message_counts(dht), **dht_stats.dht_request_counts(dht)})
 
     async def timed(self: Any, tensors: Any, group_info: Any, **kwargs: Any) -> None:  # in an averager process
-        started, roles, wall, counts = time.perf_counter(), cpu_by_role(), time.time(), dht_counts(self.dht)
+        # (the CPU and DHT counts are read outside the timed span: a DHT request and a walk of the process trees
+        # took tens of milliseconds of each round's time on a busy machine)
+        probe = time.perf_counter()
+        roles, counts = cpu_by_role(), dht_counts(self.dht)
+        started, wall = time.perf_counter(), time.time()
         try:
             await original(self, tensors, group_info, **kwargs)
         finally:
+            seconds, end = time.perf_counter() - started, time.time()
             after = cpu_by_role()
             dht = {k: v for k, v in (dht_counts(self.dht) - counts).items() if k not in ("sent", "received")}
             row = {"averager": self.prefix, "group": group_info.group_id.hex(), "size": len(group_info.peer_ids),
                    "key": self._matchmaking.group_key_manager.current_key, "peer": str(self.peer_id)[-6:],
-                   "seconds": time.perf_counter() - started, "start": wall, "end": time.time(), "dht": dht,
+                   "seconds": seconds, "start": wall, "end": end, "dht": dht, "probe_s": started - probe,
                    "by_role": {k: round(after.get(k, 0.0) - roles.get(k, 0.0), 3) for k in after}}  # fmt: skip
             with rounds_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -270,7 +278,7 @@ def swarm_worker(spec: dict) -> None:
         "opt": {"run_id": "averaging_round", "target_batch_size": peers, "batch_size_per_step": 1, "min_peers": peers,
                 "matchmaking_time": spec["matchmaking_time"], "grad_compression": name,
                 "state_averaging_compression": name, "averager_opts": {"part_size_bytes": spec["part_bytes"]},
-                "average_state_every": spec["average_state_every"]},
+                "average_state_every": spec["average_state_every"], "allreduce": spec.get("allreduce", "butterfly")},
     })  # fmt: skip
     swarm = Swarm(config, announce=lambda _: None)
     print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
@@ -681,6 +689,8 @@ def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
             rows += run_tcp(args, peers, mbit, name, butterfly=True, p2p=True)
         if "swarm" in args.engines:
             rows += run_swarm_peers(args, peers, mbit, name)
+        if "swarm-ring" in args.engines:
+            rows += run_swarm_peers(args, peers, mbit, name, allreduce="ring")
     return rows
 
 
@@ -772,7 +782,9 @@ def run_tcp(
     }]  # fmt: skip
 
 
-def run_swarm_peers(args: argparse.Namespace, peers: int, mbit: float, name: str) -> list[dict]:
+def run_swarm_peers(
+    args: argparse.Namespace, peers: int, mbit: float, name: str, allreduce: str = "butterfly"
+) -> list[dict]:
     namespaces = Namespaces(peers) if mbit > 0 else None
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp, namespaces or contextlib.nullcontext():
@@ -781,7 +793,7 @@ def run_swarm_peers(args: argparse.Namespace, peers: int, mbit: float, name: str
         spec = {"swarm": True, "peers": peers, "params": args.params, "tensors": args.tensors, "compressions": [name],
                 "rounds": args.rounds, "matchmaking_time": args.swarm_matchmaking_time,
                 "step_timeout": args.step_timeout, "compute_s": args.compute_s, "part_bytes": args.trahiv_part_bytes,
-                "average_state_every": args.average_state_every}  # fmt: skip
+                "average_state_every": args.average_state_every, "allreduce": allreduce}  # fmt: skip
         try:
             procs = launch(args, namespaces, peers, {**spec, "rounds_file": f"{tmp}/rounds.jsonl"})
             outputs = [read_result(proc, args.step_timeout * (args.rounds + 2) * 2) for proc in procs]
@@ -795,10 +807,12 @@ def run_swarm_peers(args: argparse.Namespace, peers: int, mbit: float, name: str
             for proc in procs:
                 stop(proc)
         rows = [json.loads(line) for line in Path(f"{tmp}/rounds.jsonl").read_text().splitlines() if line.strip()]
-    return summarize_swarm(outputs, rows, peers, mbit, name)
+    return summarize_swarm(outputs, rows, peers, mbit, name, "swarm-ring" if allreduce == "ring" else "swarm")
 
 
-def summarize_swarm(outputs: list[dict], rows: list[dict], peers: int, mbit: float, name: str) -> list[dict]:
+def summarize_swarm(
+    outputs: list[dict], rows: list[dict], peers: int, mbit: float, name: str, engine: str = "swarm"
+) -> list[dict]:
     """One row per kind of round (gradients, parameters): the slowest peer's all-reduce per round, rounds matched by
     group; the first gradient round (connections, allocations) is left out as warm-up."""
     result = []
@@ -831,8 +845,9 @@ def summarize_swarm(outputs: list[dict], rows: list[dict], peers: int, mbit: flo
         spans = [max(r["end"] for r in g) - min(r["start"] for r in g) for g in by_round]
         skews = [max(r["start"] for r in g) - min(r["start"] for r in g) for g in by_round]
         result.append({
-            "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": f"swarm ({kind} rounds)",
+            "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": f"{engine} ({kind} rounds)",
             "span_s": [round(t, 3) for t in spans], "start_skew_s": [round(t, 3) for t in skews],
+            "probe_s_max": round(max(r.get("probe_s", 0.0) for g in by_round for r in g), 3),
             "payload_bytes": payload, "bound_s": round(bound, 3) if bound else None, "median_s": round(median, 3),
             "group_sizes": [max(r["size"] for r in group) for group in by_round],
             "ratio_to_bound": round(median / bound, 3) if bound else None, "round_s": [round(t, 3) for t in times],
@@ -953,7 +968,7 @@ def main() -> None:
     parser.add_argument("--compressions", nargs="+", default=["fp16", "uniform8bit", "size_adaptive"])
     parser.add_argument(
         "--engines", nargs="+", default=["hivemind", "trahiv"],
-        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "tcp", "tcp-ring", "tcp-shifted",
+        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "swarm-ring", "tcp", "tcp-ring", "tcp-shifted",
                  "tcp-ring-allreduce", "p2p-ring-allreduce", "tcp-butterfly", "p2p-butterfly"],
         help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
              "as the Trainer builds them (gradient and parameter rounds reported separately)",

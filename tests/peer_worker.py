@@ -351,6 +351,7 @@ def main(spec_path: str) -> int:
         "samples_contributed": trainer.swarm.optimizer.samples_contributed,
         "train_loss": result.training_loss,
         "averaging_rounds": trainer.swarm.optimizer.averaging_rounds(),  # type: ignore[union-attr]
+        "metrics": trainer.swarm.metrics(),
     }
     if spec.get("toy_grad") is not None:  # the model as train() left it
         done["values"] = trainer.model.w.detach().tolist()

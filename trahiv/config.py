@@ -235,9 +235,14 @@ class OptimizerConfig(_Section):
     power_sgd_rank: int | None = Field(
         None, ge=1, description="average gradients with PowerSGD of this rank (low-rank factors, error feedback)"
     )
+    allreduce: Literal["butterfly", "ring"] = Field(
+        "butterfly",
+        description="gradient rounds as hivemind's butterfly, or as a ring all-reduce (one stream to the next peer; "
+        "taken in groups whose peers all ask for it and accept incoming connections, else the butterfly)",
+    )
 
     TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {"min_peers", "min_peers_timeout", "aggregation", "power_sgd_rank"}
+        {"min_peers", "min_peers_timeout", "aggregation", "power_sgd_rank", "allreduce"}
     )
 
     @field_validator("run_id")
@@ -260,6 +265,14 @@ class OptimizerConfig(_Section):
             raise ValueError("use_local_updates=True is incompatible with reuse_grad_buffers/delay_grad_averaging")
         if self.power_sgd_rank is not None and self.use_local_updates:
             raise ValueError("power_sgd_rank averages gradients: it cannot be combined with use_local_updates=True")
+        if self.allreduce == "ring" and self.aggregation.name != "mean":
+            raise ValueError(
+                f"allreduce 'ring' cannot be combined with aggregation {self.aggregation.name!r}: a ring sums the "
+                "peers' gradients as they pass, and CenteredClip needs every peer's copy at one reducer. Use allreduce "
+                "'butterfly' (the default) with centered_clip"
+            )
+        if self.allreduce == "ring" and self.power_sgd_rank is not None:
+            raise ValueError("allreduce 'ring' cannot be combined with power_sgd_rank: PowerSGD runs its own rounds")
         if self.power_sgd_rank is not None and self.aggregation.name != "mean":
             raise ValueError(
                 f"power_sgd_rank cannot be combined with aggregation {self.aggregation.name!r}: PowerSGD averages "

@@ -463,6 +463,7 @@ class Swarm:
             "samples_contributed": self.optimizer.samples_contributed,
             **{f"averaging_rounds_{status}": count for status, count in self.optimizer.averaging_rounds().items()},
             **total_traffic(averagers),
+            **({"averaging_rounds_ring": self.optimizer.ring_rounds()} if self.config.opt.allreduce == "ring" else {}),
         }
 
     # --- leaving --------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class RoundReport:
     error: str | None = None
     reasons: dict[str, str] = field(default_factory=dict)  # peer -> why its exchange with this peer failed
     unaveraged: str = "kept local"  # what this peer's values left unaveraged became ('set to zero': DiLoCo's)
+    allreduce: str = "butterfly"  # how the round ran: hivemind's butterfly or trahiv's ring (trahiv.engine.ring)
 
     @property
     def complete(self) -> bool:
@@ -75,7 +76,8 @@ class RoundReport:
         if self.error is not None:
             parts.append(f"failed: {self.error}")
         parts += [f"peer {p}: {why}" for p, why in self.reasons.items()]
-        return f"{self.status} averaging round with {len(self.peers)} peers in {self.seconds:.2f} s: " + (
+        how = " (ring)" if self.allreduce == "ring" else ""
+        return f"{self.status} averaging round with {len(self.peers)} peers{how} in {self.seconds:.2f} s: " + (
             "; ".join(parts) or "every value averaged"
         )
 

@@ -6,6 +6,7 @@ Everything else in trahiv uses hivemind's public API (DHT, PeerID, get_dht_time,
 - `averagers`: the averagers (robust reducer, round reports, epoch-keyed matchmaking, checked state download,
   PowerSGD); policy (aggregation, deadlines, reports) comes from the engine-free `trahiv.averaging`;
 - `optimizer`: the collaborative optimizer and progress tracker, and the builders of a peer's averagers;
+- `exact`, `ring`: rounds that hand every peer the same bits; gradient rounds as a ring all-reduce (`opt.allreduce`);
 - `gate`: the auth gate in front of an averager's RPCs;
 - `state`: verbs on a running optimizer: download a checked state, replace the state at a step, set the step.
 - `liveness`: the peer's engine processes watched (DHT, p2pd, averagers): one ending under it stops the peer.

@@ -691,10 +691,12 @@ class ReportingMixin:
     """
 
     runner_cls: type[PartialRoundRunner] = PartialRoundRunner  # tests inject faults through a subclass
+    allreduce = "butterfly"  # or "ring": asked for at matchmaking, run where the whole group asks (engine.ring)
     aggregation: Aggregation
     deadlines: Deadlines | None
     reports: list[RoundReport]
     round_counts: dict[str, int]
+    ring_rounds: int
     traffic: Traffic
     _report_reader: Any  # (multiprocessing Connections, one pipe: the averager process writes)
     _report_writer: Any
@@ -703,6 +705,7 @@ class ReportingMixin:
     def _init_reporting(self, deadlines: Deadlines | None, aggregation: Aggregation = MEAN) -> None:
         self.aggregation, self.deadlines = aggregation, deadlines
         self.reports, self.round_counts = [], {"complete": 0, "partial": 0, "failed": 0}
+        self.ring_rounds = 0  # of those, rounds run as a ring (trahiv.engine.ring)
         self._report_reader, self._report_writer = mp.get_context("fork").Pipe(duplex=False)
         self._report_backlog = None  # (made by the averager process if the pipe is ever full: see _send_report)
         self.traffic = Traffic()  # averaging_bytes_sent / averaging_bytes_received, counted in the averager process
@@ -712,8 +715,9 @@ class ReportingMixin:
     # still be on their way (its handler serves them until each sender closes the stream). hivemind 1.1.12's shutdown
     # stops the process at once, and p2pd resets those streams: a peer leaving on Ctrl+C right after a step left its
     # groupmate with a partial round for that step (its share of the values kept local, so the two peers' parameters
-    # differ; tests/test_partial_rounds.py shows it). The averager process counts the handlers serving parts;
-    # `_shutdown` waits for them, for at most SERVE_BEFORE_SHUTDOWN_S.
+    # differ; tests/test_partial_rounds.py shows it). The averager process counts the handlers serving parts (and
+    # a ring round's stream to the next peer, trahiv.engine.ring.SENDING); `_shutdown` waits for them, for at most
+    # SERVE_BEFORE_SHUTDOWN_S.
 
     _serving = 0  # in the averager process: rpc_aggregate_part handlers still serving averaged parts
 
@@ -730,10 +734,12 @@ class ReportingMixin:
     async def _shutdown(self, timeout: float | None) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(SERVE_BEFORE_SHUTDOWN_S, timeout if timeout is not None else math.inf)
-        while self._serving > 0 and loop.time() < deadline:
+        from trahiv.engine.ring import SENDING  # (ring rounds' streams to the next peer, still finishing)
+
+        while (self._serving > 0 or SENDING) and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        if self._serving > 0:
-            logger.warning(f"Leaving with {self._serving} averaged part stream(s) still being served")
+        if self._serving > 0 or SENDING:
+            logger.warning(f"Leaving with {self._serving + len(SENDING)} averaged part stream(s) still being served")
         await super()._shutdown(timeout)  # type: ignore[misc]
 
     def round_reports(self) -> list[RoundReport]:
@@ -746,6 +752,7 @@ class ReportingMixin:
                 break
         for report in new:
             self.round_counts[report.status] += 1
+            self.ring_rounds += report.allreduce == "ring"
         self.reports = (self.reports + new)[-100:]
         return new
 
@@ -766,6 +773,11 @@ class ReportingMixin:
                           (kwargs.get("reducer_timeout") or 0.0) + self.deadlines.floor)  # fmt: skip
         if issubclass(self.runner_cls, TrafficCountingRunner):
             kwargs.setdefault("traffic", self.traffic)
+        from trahiv.engine.ring import RingRoundRunner, ring_group  # ring.py builds on this module
+
+        if issubclass(self.runner_cls, RingRoundRunner):
+            averager: Any = self
+            kwargs["ring"] = self.allreduce == "ring" and ring_group(averager.serializer, group_info.gathered)
         started, error = time.perf_counter(), None
         try:
             run = super()._run_allreduce_inplace_(  # type: ignore[misc]
@@ -787,6 +799,11 @@ class ReportingMixin:
         """hivemind's step, in the averager process, and a `failed` report for a step that ended in an error before
         any all-reduce began (no group formed: hivemind 1.1.12 logs it and falls back to local values, and nothing
         counted it). A step cancelled by its owner (e.g. no other peer was left) is not a failure."""
+        if self.allreduce == "ring":  # ask the group for a ring round (engine.ring: taken if every member asks)
+            from trahiv.engine.ring import tag_for_ring
+
+            averager: Any = self
+            step._data_for_gather = tag_for_ring(averager.serializer, step.data_for_gather)
         started, reported = time.perf_counter(), [False]
         token = _ROUND_REPORTED.set(reported)  # child tasks share the list: _report_round marks it
         running = asyncio.current_task()
@@ -872,10 +889,22 @@ class ReportingAverager(ReportingMixin, RobustAverager):
 class ReportingGradientAverager(ReportingMixin, RobustGradientAverager):
     """trahiv's robust gradient averager with deadlines and round reports."""
 
-    def __init__(self, *args: Any, deadlines: Deadlines | None = None, aggregation: Aggregation = MEAN, **kwargs: Any):
-        from trahiv.engine.exact import ExactRoundRunner  # exact.py builds on this module
+    def __init__(
+        self,
+        *args: Any,
+        deadlines: Deadlines | None = None,
+        aggregation: Aggregation = MEAN,
+        allreduce: str = "butterfly",
+        **kwargs: Any,
+    ):
+        from trahiv.engine.ring import RingRoundRunner  # ring.py builds on this module
 
-        self.runner_cls = ExactRoundRunner  # rounds that hand every peer the same bits (RobustGradientAverager)
+        if allreduce not in ("butterfly", "ring"):
+            raise ValueError(f"allreduce must be 'butterfly' or 'ring', not {allreduce!r}")
+        if allreduce == "ring" and aggregation.name != "mean":
+            raise ValueError(f"a ring all-reduce sums as it goes: aggregation {aggregation.name!r} needs 'butterfly'")
+        # rounds that hand every peer the same bits (RobustGradientAverager), as a ring where the group asks for it
+        self.runner_cls, self.allreduce = RingRoundRunner, allreduce
         self._init_reporting(deadlines if deadlines is not None else Deadlines(), aggregation)
         super().__init__(*args, aggregation=aggregation, **kwargs)
 

@@ -484,6 +484,23 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.utils.mpfuture:MPFuture", "_initialization_lock", "attribute", None),
     Internal("hivemind.utils.mpfuture:SharedBytes", "_lock", "attribute", None),
     Internal("hivemind.utils.asyncio:_AsyncContextWrapper", "EXECUTOR_LOCK", "attribute", None),
+    # trahiv.engine.ring: a ring round (its own run and streams, the container's parts, the gathered data's tag)
+    Internal("hivemind.averaging.allreduce:AllReduceRunner", "run", "method", "(self) -> AsyncIterator[torch.Tensor]"),
+    Internal(
+        "hivemind.averaging.allreduce:AllReduceRunner",
+        "_check_reasons_to_reject",
+        "method",
+        "(self, request: averaging_pb2.AveragingData, context: hivemind.p2p.p2p_daemon.P2PContext) -> Optional[averaging_pb2.AveragingData]",
+    ),
+    Internal(
+        "hivemind.averaging.allreduce:AllReduceRunner",
+        "finalize",
+        "method",
+        "(self, *, cancel: bool = False, exception: Optional[BaseException] = None)",
+    ),
+    Internal("hivemind.averaging.partition:TensorPartContainer", "_input_parts_by_peer", "instance", None),
+    Internal("hivemind.averaging.partition:TensorPartContainer", "compression", "instance", None),
+    Internal("hivemind.averaging.control:StepControl", "_data_for_gather", "instance", None),
 )
 
 

@@ -457,6 +457,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    def ring_rounds(self) -> int:
+        """Of the averaging rounds counted by `averaging_rounds`, those run as a ring all-reduce."""
+        self.averaging_rounds()  # (collects the reports)
+        averagers = (self.state_averager, getattr(self, "grad_averager", None))
+        return sum(a.ring_rounds for a in averagers if isinstance(a, ReportingMixin))
+
     def averaging_rounds(self) -> dict[str, int]:
         """Averaging rounds (gradients and state) that were complete, partial or failed, as this peer saw them."""
         counts = {"complete": 0, "partial": 0, "failed": 0}
@@ -962,6 +968,8 @@ def grad_averager_factory(
     )
     if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
         factory = partial(factory, deadlines=Deadlines())
+    if opt.allreduce != "butterfly":
+        factory = partial(factory, allreduce=opt.allreduce)
     return factory
 
 
