@@ -17,8 +17,10 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   how far apart the peers began, is in it and reported too), the CPU each role of the peers' process trees used
   during it (main, this averager, DHT, p2pd, other), and the DHT messages and requests by key. Each step's update is
   checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
-- `swarm-ring`: the same peers with `opt.allreduce = "ring"`: gradient rounds as trahiv's ring all-reduce
-  (trahiv.engine.ring); parameter rounds stay on the butterfly.
+  Since stop 50 the defaults' gradient rounds are trahiv's ring all-reduce (`opt.allreduce = "auto"`,
+  trahiv.engine.ring); parameter rounds stay on the butterfly.
+- `swarm-butterfly` / `swarm-ring`: the same peers with `opt.allreduce` set to "butterfly" (hivemind's all-reduce) or
+  "ring" (the default's choice here, named).
 - `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
   peer at once from a common start: what the links allow, without libp2p or Python per part.
 - `tcp-ring`: the same bytes over plain TCP, each peer's 2 (N - 1) / N x S all to the next peer: one flow per link
@@ -67,6 +69,7 @@ HUB, PREFIX, SUBNET = "h5hub", "h5p", "10.213.0"
 NOT_AVERAGERS = (
     "swarm",
     "swarm-ring",
+    "swarm-butterfly",
     "tcp",
     "tcp-ring",
     "tcp-shifted",
@@ -278,7 +281,8 @@ def swarm_worker(spec: dict) -> None:
         "opt": {"run_id": "averaging_round", "target_batch_size": peers, "batch_size_per_step": 1, "min_peers": peers,
                 "matchmaking_time": spec["matchmaking_time"], "grad_compression": name,
                 "state_averaging_compression": name, "averager_opts": {"part_size_bytes": spec["part_bytes"]},
-                "average_state_every": spec["average_state_every"], "allreduce": spec.get("allreduce", "butterfly")},
+                "average_state_every": spec["average_state_every"],
+                **({"allreduce": spec["allreduce"]} if spec.get("allreduce") else {})},
     })  # fmt: skip
     swarm = Swarm(config, announce=lambda _: None)
     print(json.dumps({"maddrs": join_addresses(swarm.dht)}), flush=True)
@@ -689,6 +693,8 @@ def run_swarm(args: argparse.Namespace, peers: int, mbit: float) -> list[dict]:
             rows += run_tcp(args, peers, mbit, name, butterfly=True, p2p=True)
         if "swarm" in args.engines:
             rows += run_swarm_peers(args, peers, mbit, name)
+        if "swarm-butterfly" in args.engines:
+            rows += run_swarm_peers(args, peers, mbit, name, allreduce="butterfly")
         if "swarm-ring" in args.engines:
             rows += run_swarm_peers(args, peers, mbit, name, allreduce="ring")
     return rows
@@ -783,7 +789,7 @@ def run_tcp(
 
 
 def run_swarm_peers(
-    args: argparse.Namespace, peers: int, mbit: float, name: str, allreduce: str = "butterfly"
+    args: argparse.Namespace, peers: int, mbit: float, name: str, allreduce: str | None = None
 ) -> list[dict]:
     namespaces = Namespaces(peers) if mbit > 0 else None
     procs: list[subprocess.Popen] = []
@@ -807,7 +813,7 @@ def run_swarm_peers(
             for proc in procs:
                 stop(proc)
         rows = [json.loads(line) for line in Path(f"{tmp}/rounds.jsonl").read_text().splitlines() if line.strip()]
-    return summarize_swarm(outputs, rows, peers, mbit, name, "swarm-ring" if allreduce == "ring" else "swarm")
+    return summarize_swarm(outputs, rows, peers, mbit, name, f"swarm-{allreduce}" if allreduce else "swarm")
 
 
 def summarize_swarm(
@@ -968,7 +974,8 @@ def main() -> None:
     parser.add_argument("--compressions", nargs="+", default=["fp16", "uniform8bit", "size_adaptive"])
     parser.add_argument(
         "--engines", nargs="+", default=["hivemind", "trahiv"],
-        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "swarm-ring", "tcp", "tcp-ring", "tcp-shifted",
+        choices=["hivemind", "hivemind-timeouts", "trahiv", "swarm", "swarm-butterfly", "swarm-ring", "tcp", "tcp-ring",
+                 "tcp-shifted",
                  "tcp-ring-allreduce", "p2p-ring-allreduce", "tcp-butterfly", "p2p-butterfly"],
         help="bare averagers of the engine alone / of trahiv (alternating round by round), or `swarm`: trahiv peers "
              "as the Trainer builds them (gradient and parameter rounds reported separately)",

@@ -21,6 +21,21 @@ def test_valid_config_keeps_engine_defaults():
     assert config.opt.target_batch_size == 100 and config.opt.verbose
     assert config.dht.kwargs()["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]
     assert "bootstrap_timeout" not in config.dht.kwargs()  # unset: the engine's own default applies
+    assert config.opt.allreduce == "auto" and config.opt.gradient_allreduce == "ring"
+
+
+@pytest.mark.parametrize(
+    ("opt", "expected"),
+    [
+        ({}, "ring"),
+        ({"allreduce": "butterfly"}, "butterfly"),
+        ({"aggregation": {"name": "centered_clip"}}, "butterfly"),  # CenteredClip needs every copy at one reducer
+        ({"power_sgd_rank": 4}, "butterfly"),  # PowerSGD runs its own rounds
+    ],
+)
+def test_gradient_rounds_run_as_a_ring_unless_something_needs_the_butterfly(opt, expected):
+    config = HivemindConfig.load({"opt": {"run_id": "r", "target_batch_size": 8, **opt}})
+    assert config.opt.gradient_allreduce == expected
 
 
 @pytest.mark.parametrize(

@@ -282,12 +282,13 @@ def test_trainer_peers_with_the_ring_step_by_the_sample_weighted_mean_of_their_g
 
 @pytest.mark.swarm
 def test_trainer_peers_of_a_language_model_hold_the_same_weights_after_every_ring_step(tmp_path, workdir):
-    """Three peers training the tiny GPT-2 with `opt.allreduce = "ring"` and fp16 gradients: after every
-    collaborative step all hold the same parameters, bit for bit, and the loss goes down."""
+    """Three peers training the tiny GPT-2 with fp16 gradients and the default `opt.allreduce` ('auto': the ring):
+    after every collaborative step all hold the same parameters, bit for bit, the loss goes down, and every gradient
+    round was a ring."""
     boot = start_bootstrap(tmp_path)
     common = dict(
         workdir=str(workdir), run_id="ring-lm", target=48, max_steps=4, initial_peers=boot.initial_peers,
-        opt={"min_peers": 3, "allreduce": "ring", "grad_compression": "fp16"},
+        opt={"min_peers": 3, "grad_compression": "fp16"},
     )  # fmt: skip
     try:
         peers = [

@@ -235,15 +235,23 @@ class OptimizerConfig(_Section):
     power_sgd_rank: int | None = Field(
         None, ge=1, description="average gradients with PowerSGD of this rank (low-rank factors, error feedback)"
     )
-    allreduce: Literal["butterfly", "ring"] = Field(
-        "butterfly",
-        description="gradient rounds as hivemind's butterfly, or as a ring all-reduce (one stream to the next peer; "
-        "taken in groups whose peers all ask for it and accept incoming connections, else the butterfly)",
+    allreduce: Literal["auto", "butterfly", "ring"] = Field(
+        "auto",
+        description="gradient rounds as a ring all-reduce (one stream to the next peer; taken in groups whose peers "
+        "all ask for it and accept incoming connections, else the butterfly) or as hivemind's butterfly; 'auto': "
+        "the ring, but the butterfly with centered_clip or power_sgd_rank",
     )
 
     TRAHIV_ONLY: ClassVar[frozenset[str]] = frozenset(
         {"min_peers", "min_peers_timeout", "aggregation", "power_sgd_rank", "allreduce"}
     )
+
+    @property
+    def gradient_allreduce(self) -> str:
+        """How gradient rounds run: `allreduce`, with 'auto' resolved."""
+        if self.allreduce != "auto":
+            return self.allreduce
+        return "ring" if self.aggregation.name == "mean" and self.power_sgd_rank is None else "butterfly"
 
     @field_validator("run_id")
     @classmethod

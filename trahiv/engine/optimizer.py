@@ -968,8 +968,8 @@ def grad_averager_factory(
     )
     if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
         factory = partial(factory, deadlines=Deadlines())
-    if opt.allreduce != "butterfly":
-        factory = partial(factory, allreduce=opt.allreduce)
+    if opt.gradient_allreduce != "butterfly" and issubclass(cls, ReportingGradientAverager):  # (others: the butterfly)
+        factory = partial(factory, allreduce=opt.gradient_allreduce)
     return factory
 
 
