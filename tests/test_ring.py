@@ -207,6 +207,43 @@ def test_a_peer_sending_non_finite_running_means_is_left_out_and_nobody_gets_nan
             assert torch.allclose(tensors[0][span], expected, atol=1e-5, rtol=0), (k, counted)
 
 
+class CappedRingAverager(RingAverager):
+    """Every peer may weigh at most 2 (as the gradient averager caps weights at the samples each peer reported)."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
+        kwargs["weight_caps"] = {peer: 2.0 for peer in group_info.peer_ids}
+        return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+
+
+def test_a_running_weight_above_what_its_senders_reported_is_clamped():
+    """Peer 2 claims weight 50 with caps of 2: wherever its running mean reaches another peer, the weight behind it
+    is clamped to the caps of the peers it holds. (In the segment it completes itself nobody sees its weight alone:
+    a butterfly's reducer holds its own share the same way.)"""
+    weights = [1.0, 1.0, 50.0]
+    with ExitStack() as stack:
+        _, _, reports, tensors, averagers = run_round(stack, [CappedRingAverager] * 3, weights)
+        for rank in range(3):
+            assert torch.equal(tensors[rank], tensors[0]), f"peer {rank} differs from peer 0"
+        order = reports[0][0].peers
+        rank_of = {averager.peer_id.to_base58(): rank for rank, averager in enumerate(averagers)}
+        liar = averagers[2].peer_id.to_base58()
+        after_liar = order[(order.index(liar) + 1) % 3]
+        assert any("clamped to 2" in why for why in reports[rank_of[after_liar]][0].reasons.values()), reports
+        values = torch.stack([torch.cat(local_values(rank)) for rank in range(3)])
+        container = TensorPartContainer(local_values(0), (1.0,) * 3, part_size_bytes=PART_BYTES)
+        ends = torch.tensor([0] + [sum(p.numel() for p, _ in parts) for parts in container._input_parts_by_peer])
+        ends = ends.cumsum(0)
+        for k in range(3):  # the ring's arithmetic, with the clamp
+            chain = [rank_of[order[(k + 1 + j) % 3]] for j in range(3)]
+            span = slice(int(ends[k]), int(ends[k + 1]))
+            mean, weight = values[chain[0], span], weights[chain[0]]
+            for j in range(1, 3):
+                weight = min(weight, 2.0 * j)
+                own = weights[chain[j]]
+                mean, weight = (mean * weight + values[chain[j], span] * own) / (weight + own), weight + own
+            assert torch.allclose(tensors[0][span], mean, atol=1e-5, rtol=0), k
+
+
 @pytest.mark.parametrize("fault", ["stall", "broken_stream"])
 def test_a_ring_round_a_peer_breaks_fails_for_all_within_seconds_and_keeps_their_values(fault):
     """A peer that joins the group and never starts (`stall`), or whose stream to the next peer breaks after three

@@ -17,8 +17,9 @@ The robust reducer's checks, per part as it arrives: a peer's own non-finite val
 (its weight counts as 0); a received running mean that is not finite or has the wrong shape drops what came before
 it (the values of the peers upstream in that segment: a running mean cannot be split back into its senders); a
 running weight above the sum of the samples its senders reported is clamped to that sum. A segment nobody could
-average keeps each peer's own values (or zeros, `unaveraged_zero`), the same on every peer, and the round is
-reported partial. CenteredClip needs every sender's copy at one reducer: its rounds stay on the butterfly.
+average (every weight 0, or its mean arrived unusable) keeps each peer's own values (zeros with `unaveraged_zero`,
+the same on every peer), and the round is reported partial. CenteredClip needs every sender's copy at one reducer:
+its rounds stay on the butterfly.
 
 The ring is taken only when every member of the group asks for it (`RING_TAG` in the data it gathers at matchmaking)
 and every member is a full node (clients cannot accept a stream; auxiliary peers would only forward); otherwise the
@@ -311,7 +312,8 @@ class RingRoundRunner(ExactRoundRunner):
             reason = rejection_reason(part, message.weight, own.shape)
             if reason is None:
                 return part.to(own.dtype)
-            self._exclude([(segment + 1) % self.group_size], f"forwarded a mean with {reason} (segment {segment})")
+            sender = self._index if segment == self._index else (self._index - 1) % self.group_size
+            self._exclude([sender], f"sent a segment's mean with {reason} (segment {segment})")
         self.local_fallback[segment] = self.local_fallback.get(segment, 0) + own.numel()
         return torch.zeros_like(own) if self.unaveraged_zero else own.clone()
 
@@ -324,9 +326,8 @@ class RingRoundRunner(ExactRoundRunner):
 
     def _clamp(self, peers: list[int], weight: float, cap: float) -> None:
         names = ", ".join(self.ordered_peer_ids[peer].to_base58() for peer in peers)
-        key = f"clamped:{names}"
-        if key not in self.reasons:
-            self.reasons[key] = f"weight {weight:g} clamped to {cap:g}"
+        if names not in self.reasons:
+            self.reasons[names] = f"their running weight {weight:g} clamped to {cap:g}, the samples they reported"
             logger.warning(
                 f"Ring all-reduce: clamping the weight of peers {names} from {weight:g} to {cap:g}: more than the "
                 "samples they reported"
