@@ -192,6 +192,18 @@ def samples_per_epoch(peers: list[Peer]) -> dict[int, int]:
     return totals
 
 
+@contextlib.contextmanager
+def local_dht(initial_peers: Sequence[Any] = ()) -> Any:
+    """A DHT on 127.0.0.1 (no NAT port mapping), shut down on exit: averagers' tests build their peers on these."""
+    import hivemind
+
+    dht = hivemind.DHT(start=True, initial_peers=list(initial_peers), nat_port_map=False)
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
 def step_together(
     averagers: Sequence[Any],
     timeouts: Sequence[float],

@@ -18,12 +18,11 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException
-from swarm_helpers import step_together
+from swarm_helpers import local_dht, step_together
 
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines, RoundReport
@@ -106,8 +105,8 @@ def run_round(
 ):
     """One averaging round of len(faults) peers (peer `auxiliary` in hivemind's auxiliary mode, all with `runner` if
     given, averagers of class `base`); returns (seconds, results, reports, averagers) per peer."""
-    first = stack.enter_context(_dht())
-    peers = [first] + [stack.enter_context(_dht(first.get_visible_maddrs())) for _ in faults[1:]]
+    first = stack.enter_context(local_dht())
+    peers = [first] + [stack.enter_context(local_dht(first.get_visible_maddrs())) for _ in faults[1:]]
     averagers = []
     for rank, (dht, fault) in enumerate(zip(peers, faults, strict=True)):
         averager = faulty_averager(fault, runner, base)(
@@ -135,17 +134,6 @@ def run_round(
         averager.round_reports()
     reports = [list(averager.reports) for averager in averagers]
     return seconds, results, reports, averagers
-
-
-class _dht:
-    def __init__(self, initial_peers=()):
-        self.dht = hivemind.DHT(start=True, initial_peers=list(initial_peers), nat_port_map=False)
-
-    def __enter__(self) -> hivemind.DHT:
-        return self.dht
-
-    def __exit__(self, *exc) -> None:
-        self.dht.shutdown()
 
 
 def tensors_of(averager: ReportingAverager) -> torch.Tensor:

@@ -14,11 +14,10 @@ import threading
 import time
 from contextlib import ExitStack
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException, TensorPartContainer
-from swarm_helpers import start_bootstrap, start_peer
+from swarm_helpers import local_dht, start_bootstrap, start_peer
 
 from trahiv import engine
 from trahiv.averaging.partial import Deadlines
@@ -83,22 +82,11 @@ def local_values(rank: int) -> list[torch.Tensor]:
     return [torch.randn(SIZE // 3, generator=gen) + 10 * rank for _ in range(3)]
 
 
-class _dht:
-    def __init__(self, initial_peers=()):
-        self.dht = hivemind.DHT(start=True, initial_peers=list(initial_peers), nat_port_map=False)
-
-    def __enter__(self) -> hivemind.DHT:
-        return self.dht
-
-    def __exit__(self, *exc) -> None:
-        self.dht.shutdown()
-
-
 def run_round(stack: ExitStack, classes: list[type], weights: list[float], stalled: set[int] = frozenset()):
     """One round of len(classes) peers, peer `rank` an averager of `classes[rank]` weighing `weights[rank]`; returns
     (results, seconds, reports, tensors after) per peer."""
-    first = stack.enter_context(_dht())
-    dhts = [first] + [stack.enter_context(_dht(first.get_visible_maddrs())) for _ in classes[1:]]
+    first = stack.enter_context(local_dht())
+    dhts = [first] + [stack.enter_context(local_dht(first.get_visible_maddrs())) for _ in classes[1:]]
     averagers = []
     for rank, (dht, cls) in enumerate(zip(dhts, classes, strict=True)):
         averager = cls(
