@@ -277,7 +277,7 @@ class OptimizerConfig(_Section):
             raise ValueError(
                 f"allreduce 'ring' cannot be combined with aggregation {self.aggregation.name!r}: a ring sums the "
                 "peers' gradients as they pass, and CenteredClip needs every peer's copy at one reducer. Use allreduce "
-                "'butterfly' (the default) with centered_clip"
+                "'auto' (the default: the butterfly with centered_clip) or 'butterfly'"
             )
         if self.allreduce == "ring" and self.power_sgd_rank is not None:
             raise ValueError("allreduce 'ring' cannot be combined with power_sgd_rank: PowerSGD runs its own rounds")

@@ -449,16 +449,12 @@ class Swarm:
             seconds=time.monotonic() - self.started_at,
         )
 
-    @property
-    def _ring_rounds(self) -> bool:
-        return self.config.opt.gradient_allreduce == "ring"
-
     def metrics(self) -> dict[str, float]:
         if self.diloco is not None:  # [DiLoCo] outer step, rounds, bytes
             return self.diloco.metrics()
         if self.optimizer is None:
             return {}
-        tracker = self.optimizer.tracker
+        tracker, opt_ring = self.optimizer.tracker, self.config.opt.gradient_allreduce == "ring"
         averagers = (self.optimizer.state_averager, getattr(self.optimizer, "grad_averager", None))
         return {
             "collaborative_step": self.optimizer.local_epoch,
@@ -467,7 +463,7 @@ class Swarm:
             "samples_contributed": self.optimizer.samples_contributed,
             **{f"averaging_rounds_{status}": count for status, count in self.optimizer.averaging_rounds().items()},
             **total_traffic(averagers),
-            **({"averaging_rounds_ring": self.optimizer.ring_rounds()} if self._ring_rounds else {}),
+            **({"averaging_rounds_ring": self.optimizer.ring_rounds()} if opt_ring else {}),
         }
 
     # --- leaving --------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
@@ -219,7 +218,7 @@ class RingRoundRunner(ExactRoundRunner):
                 own = chunk.values()
                 before, before_weight = None, 0.0
                 if step > 0:
-                    before, before_weight = await self._work(_decode, await receive(), own.shape)
+                    before, before_weight = await self._work(_decode, await receive())
                 mean, weight = await self._work(
                     self._combine, before, before_weight, own, own_weight, segment, chunk_index, upstream
                 )
@@ -437,9 +436,6 @@ def _chunks(parts: list[tuple[torch.Tensor, Any]], container: Any) -> list[_Chun
     return chunks
 
 
-def _decode(message: averaging_pb2.AveragingData, shape: torch.Size) -> tuple[torch.Tensor, float]:
-    """A running mean and the weight behind it (the values' checks come with the own part, in `_combine`)."""
-    part = deserialize_torch_tensor(message.tensor_part)
-    if part.shape != shape and part.numel() == math.prod(shape):
-        part = part.reshape(shape)
-    return part, float(message.weight)
+def _decode(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor, float]:
+    """A running mean and the weight behind it (checked with this peer's own values, in `_combine`)."""
+    return deserialize_torch_tensor(message.tensor_part), float(message.weight)
