@@ -391,6 +391,7 @@ def summarize_swarm(results: list[dict], target: int) -> dict:
         "samples_per_collaborative_step": totals,
         "steps_not_at_target": sum(t != target for t in totals),
         "averaging_rounds_per_peer": rounds,
+        "ring_rounds_per_peer": [r["metrics"].get("averaging_rounds_ring", 0) for r in results],  # of the complete
         "lr_first_last": [results[0]["lr"][:3], results[0]["lr"][-2:]],
         "curve": [[s, round(t, 2), round(loss, 5)] for s, t, loss in results[0]["curve"]],
     }

@@ -402,6 +402,7 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
     per_peer, round_cpu, round_msgs, round_roles, step_times, kinds, requests = [], [], [], [], [], [], []
     reads: list[dict] = []  # progress reads per step, by the code that made them (count_progress_reads)
     rounds = {"complete": 0, "partial": 0, "failed": 0}
+    ring_rounds = 0  # of the complete ones, those run as a ring (the default's gradient rounds since stop 50)
     reached = 0
     for rank, out in enumerate(trained):
         marks = out["marks"]
@@ -414,6 +415,7 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
         msgs = {k: last["counts"][k] - first["counts"][k] for k in first["counts"]}
         for status in rounds:
             rounds[status] += out["metrics"].get(f"averaging_rounds_{status}", 0)
+        ring_rounds += out["metrics"].get("averaging_rounds_ring", 0)
         step_times += [b["time"] - a["time"] for a, b in zip(marks, marks[1:], strict=False)]
         if steps > 0:
             round_cpu.append(sum(cpu.values()) / steps)
@@ -441,6 +443,7 @@ def summarize(n: int, peers: list[Peer], idle: dict, trained: list[dict], args: 
         "step_s_median": round(statistics.median(step_times), 2) if step_times else None,
         "rounds_complete": rounds["complete"],
         "rounds": rounds,
+        "rounds_ring": ring_rounds,
         # the swarm's samples over the --steps steps' targets (N x --batch each): 1.0 is no sample computed past them
         "samples_over_target": round(sum(out["samples"] for out in trained) / (args.steps * n * args.batch), 3),
         "all_peers_reached_steps": reached == n,

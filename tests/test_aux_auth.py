@@ -113,6 +113,9 @@ def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path
     text = log.read_text(errors="replace")
     assert aux.returncode == 0, text[-3000:]
     assert f"Authenticated as 'keeper' for '{RUN}'" in text
+    # the helper does not build a parameter-round averager under the names the keeper serves state with (it failed
+    # at every start with a traceback: "...rpc_join_group already set"); it says why it offers none
+    assert "already set" not in text and "parameter rounds not offered (this aux peer keeps" in text, text[-3000:]
     assert steps and min(steps) >= 1, steps
     assert names == {"alice", "bob"}  # metrics records carry the trainers' usernames
     # the newest checkpoint now (the one listed while training may have been pruned by retention since)

@@ -737,6 +737,24 @@ def test_a_peer_waiting_for_min_peers_keeps_its_progress_record_alive_and_offers
         swarm.shutdown()
 
 
+def test_a_peer_leaves_cleanly_after_cancelling_a_search_its_averager_has_not_ended_yet():
+    """A peer cancels a gradient round it still looks for a group for when the swarm moved past it
+    (`_average_gradients_and_load_into_optimizer`); until its averager process ends that search, the round's stage
+    still reads LOOKING_FOR_GROUP. hivemind's shutdown cancelled such a round a second time: InvalidStateError ("Can't
+    set_result to a future that is FINISHED"), and the averagers were left running (a test peer's exit, stop 50)."""
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
+
+    with lone_peer("leave_after_cancel", target=4, batch=1) as (_swarm, optimizer, _param):
+        control = optimizer.grad_averager.schedule_step(scheduled_time=get_dht_time() + 600, timeout=600)
+        assert control.cancel()
+        wait_for(lambda: control.stage == AveragingStage.FINISHED, 10, "the averager to end the cancelled search")
+        control.stage = AveragingStage.LOOKING_FOR_GROUP  # as it reads before the averager process ends the search
+        optimizer.scheduled_grads = control
+        optimizer.shutdown()  # raised InvalidStateError before
+        assert not optimizer.grad_averager.is_alive() and not optimizer.state_averager.is_alive()
+
+
 def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_answer(monkeypatch):
     """A background update that watches the swarm while its round looks for a group (`SwarmProgressTracker.peek`, every
     LEFT_BEHIND_POLL) reads the progress through the DHT process. Its peer shut down meanwhile (stop 44: 0.05 s steps

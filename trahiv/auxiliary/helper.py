@@ -91,6 +91,7 @@ class AveragingHelper:
         self.config: HivemindConfig | None = None
         self.averager: Any = None
         self.state_averager: Any = None  # parameter rounds of trainers in client mode (None: not offered)
+        self.state_names_taken = False  # this peer also serves the trainers' state (see start)
         self.tracker: Any = None
         self.schema_peers: list[str] = []
         self.rounds: dict[str, int] = {}  # complete / partial / failed rounds it took part in (the averager's reports)
@@ -107,6 +108,10 @@ class AveragingHelper:
         self._thread: threading.Thread | None = None
 
     def start(self, peer: AuxPeer) -> None:
+        # a service of this peer that serves the trainers' state (the state keeper) holds the RPC names of their state
+        # averager, which a parameter round's averager needs too: p2pd takes one handler per name ("handler for
+        # protocol ..._state_averager::TrainingStateAverager.rpc_join_group already set", a traceback at every start)
+        self.state_names_taken = any(getattr(service, "serves_state", False) for service in peer.services)
         self.start_with(peer.dht, peer.config, gate=peer.auth_gate())
 
     def start_with(self, dht: Any, config: HivemindConfig, gate: Any = None) -> None:
@@ -248,6 +253,13 @@ class AveragingHelper:
             logger.info(
                 "Averaging helper: parameter rounds not offered (the trainers also average optimizer statistics "
                 f"{list(opt.average_opt_statistics)}, whose shapes the helper does not know)"
+            )
+            return None
+        if self.state_names_taken:
+            logger.info(
+                "Averaging helper: parameter rounds not offered (this aux peer keeps and serves the trainers' state, "
+                "under the names a parameter round uses; an aux peer started with --average and without --model "
+                "leads them for trainers that are all in client mode)"
             )
             return None
         # the trainers' averaged parameters are float32 host copies (hivemind's TrainingStateAverager)

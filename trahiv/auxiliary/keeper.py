@@ -64,6 +64,8 @@ RETRY_SECONDS = 30.0
 class StateKeeper:
     """An AuxPeer service: `start(peer)` / `stop()`; or `start_with(dht, run_id)` without an AuxPeer."""
 
+    serves_state = True  # its mirror holds the trainers' `{run_id}_state_averager` RPC names on this peer's p2pd
+
     def __init__(self, config: StateKeeperConfig, *, model: torch.nn.Module | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, config.model_class)

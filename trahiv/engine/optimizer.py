@@ -898,6 +898,14 @@ class SwarmOptimizer(hivemind.Optimizer):
                 update.result(timeout=self.averaging_timeout)
             except Exception as e:  # leaving goes on: the round's own report says how it ended
                 logger.debug(f"The last background update ended with {e!r}")
+        for name in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, name, None)
+            if control is not None and control.done():
+                # over (used, failed or cancelled): nothing to say goodbye to. hivemind's shutdown cancels a round
+                # whose stage still reads LOOKING_FOR_GROUP, and one this peer cancelled itself (it left a search the
+                # swarm had moved past) reads so until its averager process ends the search: the second cancel raised
+                # InvalidStateError and the averagers were not shut down (seen leaving, stop 50's run CZ)
+                setattr(self, name, None)
         super().shutdown()
 
     def _refresh_progress_if_due(self) -> None:
