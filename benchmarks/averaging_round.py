@@ -31,8 +31,8 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   parts, 2 (N - 1) steps, each peer sending the next peer one segment a step and a part of it only once it has
   received that part from the previous peer (its own segment first); no compute, one connection each way.
   `p2p-ring-allreduce`: the same over libp2p streams (each peer's DHT and p2pd, as `p2p-butterfly`). With
-  `--ring-compute` (fp16) each part received in the reduce-scatter is decoded, added to the peer's own values and
-  encoded before it goes on, and one received in the all-gather decoded.
+  `--ring-compute` (fp16, uniform8bit: hivemind's codec) each part received in the reduce-scatter is decoded, added to
+  the peer's own values and encoded before it goes on, and one received in the all-gather decoded.
 - `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
   other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
   sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
@@ -413,13 +413,45 @@ def tcp_worker(spec: dict) -> None:
     compute = spec.get("ring_compute", False) and spec["compression"] == "fp16"
     own = np.zeros(max(ring_parts) // 2, np.float32) if compute else None
     outgoing: dict[tuple[int, int, int], bytes] = {}  # (round, step, part) -> the bytes to send, once computed
+    # `--ring-compute` (uniform8bit): the same with hivemind's 8-bit codec, as trahiv's ring runs it: a part of k values
+    # is k bytes and its 256 buckets' values; decoded, added to this peer's values and encoded again in the
+    # reduce-scatter, decoded and forwarded as it came in the all-gather
+    codec = (
+        hivemind_compression("uniform8bit")
+        if spec.get("ring_compute", False) and spec["compression"] == "uniform8bit"
+        else None
+    )
+    if codec is not None:
+        import torch
+        from hivemind.compression import CompressionInfo
+        from hivemind.proto import runtime_pb2
+
+        from trahiv.engine import fixes
+
+        fixes.apply()  # (hivemind's 8-bit decoders fail under numpy 2: trahiv's)
+        torch.set_num_threads(1)
+        values8 = torch.from_numpy(np.random.default_rng(rank).standard_normal(max(ring_parts)).astype(np.float32))
+        info8 = {size: CompressionInfo.from_tensor(values8[:size]) for size in set(ring_parts)}
+        encoded8 = {size: codec.compress(values8[:size], info8[size]).SerializeToString() for size in set(ring_parts)}
+
+        def add_own_8bit(data: bytes, size: int, reduce: bool) -> bytes:
+            values = codec.extract(runtime_pb2.Tensor.FromString(data))
+            if not reduce:
+                return data
+            encoded = codec.compress(values + values8[:size], info8[size]).SerializeToString()
+            assert len(encoded) == len(encoded8[size])  # (the framing: a part's size on the wire is fixed)
+            return encoded
 
     async def handle_ring(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = (await reader.readexactly(1))[0]
         ready = ring_ready(index)
         for step in range(ring_steps):
             for part, size in enumerate(ring_parts):
-                data = await reader.readexactly(size)
+                data = await reader.readexactly(len(encoded8[size]) if codec is not None else size)
+                if codec is not None:
+                    data = add_own_8bit(data, size, reduce=step < peers - 1)
+                    if step + 1 < ring_steps:
+                        outgoing[index, step + 1, part] = data
                 if own is not None:
                     values = np.frombuffer(data, np.float16).astype(np.float32)
                     if step < peers - 1:  # reduce-scatter: add this peer's values, send the sum on
@@ -445,7 +477,8 @@ def tcp_worker(spec: dict) -> None:
         for step in range(ring_steps):
             for part, size in enumerate(ring_parts):
                 await ready[step][part].wait()
-                writer.write(outgoing.pop((index, step, part), None) or part_bytes[:size])
+                own_part = encoded8[size] if codec is not None else part_bytes[:size]
+                writer.write(outgoing.pop((index, step, part), None) or own_part)
                 await writer.drain()
         await reader.readexactly(1)
         writer.close()
@@ -759,7 +792,11 @@ def run_tcp(
         finally:
             for proc in procs:
                 stop(proc)
-    computing = ", fp16 decode, add, encode per part" if ring_allreduce and args.ring_compute and name == "fp16" else ""
+    computing = (
+        f", {name} decode, add, encode per part"
+        if ring_allreduce and args.ring_compute and name in ("fp16", "uniform8bit")
+        else ""
+    )
     engine = (
         f"p2p-ring-allreduce (libp2p streams{computing})"
         if p2p and ring_allreduce
@@ -992,7 +1029,7 @@ def main() -> None:
     parser.add_argument(
         "--ring-compute",
         action="store_true",
-        help="[tcp|p2p]-ring-allreduce with fp16: decode, add and encode each part as a reducer would",
+        help="[tcp|p2p]-ring-allreduce with fp16 or uniform8bit: decode, add and encode each part as a reducer would",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
