@@ -13,7 +13,13 @@ import torch
 from hivemind.averaging.partition import TensorPartReducer
 
 from trahiv.averaging import Aggregation, centered_clip
-from trahiv.averaging.robust import reported_sample_caps, state_rejection_reason, weighted_median
+from trahiv.averaging.robust import (
+    all_finite,
+    rejection_reason,
+    reported_sample_caps,
+    state_rejection_reason,
+    weighted_median,
+)
 from trahiv.config import HivemindConfig
 from trahiv.engine.allreduce import RobustTensorPartReducer
 from trahiv.protocol import trusted_epoch
@@ -188,6 +194,23 @@ def test_reported_sample_caps():
     caps = reported_sample_caps(records, [a, b, c], now)
     assert caps == {a: 1.25 * 20 + 1, b: 1.25 * 30 + 1, c: 1.25 * 20 + 1}  # c reported nothing: the smallest cap
     assert reported_sample_caps({}, [a, b], now) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_part_with_any_nan_or_inf_is_rejected_and_huge_finite_values_are_not(dtype):
+    """`all_finite` (the smallest and largest value) in place of a float64 sum: NaN, +inf and -inf anywhere are caught,
+    values whose sum would overflow the dtype are not mistaken for non-finite ones, and an empty part is fine."""
+    good = torch.linspace(-3, 3, 1000).to(dtype)
+    assert all_finite(good) and rejection_reason(good, 1.0, good.shape) is None
+    assert all_finite(torch.zeros(0, dtype=dtype))
+    huge = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)
+    assert float(huge.sum()) == float("inf") and all_finite(huge)  # (a sum in the dtype would have said "non-finite")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 499, 999):
+            part = good.clone()
+            part[where] = bad
+            assert not all_finite(part), (bad, where)
+            assert rejection_reason(part, 1.0, part.shape) == "non-finite values (nan/inf)"
 
 
 def test_state_rejection_reason():
