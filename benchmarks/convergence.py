@@ -314,17 +314,19 @@ class Processes:
 
     @staticmethod
     def stop(proc: subprocess.Popen) -> None:
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
                 proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+        # its engine processes (DHT, p2pd, averagers) stay in its group and outlive a peer that failed and exited
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
     def stop_all(self) -> None:
         for proc in self.procs:
