@@ -18,7 +18,10 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   during it (main, this averager, DHT, p2pd, other), and the DHT messages and requests by key. Each step's update is
   checked: the sample-weighted mean of the peers' gradients up to the compression's error, no value left local.
   Since stop 50 the defaults' gradient rounds are trahiv's ring all-reduce (`opt.allreduce = "auto"`,
-  trahiv.engine.ring); parameter rounds stay on the butterfly.
+  trahiv.engine.ring); parameter rounds stay on the butterfly. A ring round's time is split too: each peer's time
+  before its ring began (`before_ring_s_median`) and after it ended (`after_ring_s_median`: the results copied in),
+  how far apart the peers' rings began (`ring_start_skew_s`), and the ring from the last peer's start to the last end
+  (`ring_from_last_start_s`).
 - `swarm-butterfly` / `swarm-ring`: the same peers with `opt.allreduce` set to "butterfly" (hivemind's all-reduce) or
   "ring" (the default's choice here, named).
 - `tcp`: the same bytes over plain TCP between the same namespaces, each peer exchanging 2 x S / N with each other
@@ -238,6 +241,7 @@ def swarm_worker(spec: dict) -> None:
     from trahiv.config import HivemindConfig
     from trahiv.engine import dht_stats
     from trahiv.engine.averagers import ReportingMixin
+    from trahiv.engine.ring import RingRoundRunner
     from trahiv.swarm import Swarm, join_addresses, model_fingerprint
 
     dht_stats.install()  # DHT messages and requests by key, per round (before the Swarm forks its DHT)
@@ -246,6 +250,16 @@ def swarm_worker(spec: dict) -> None:
     rank, peers, name = spec["rank"], spec["peers"], spec["compressions"][0]
     rounds_file = Path(spec["rounds_file"])
     original = ReportingMixin._run_allreduce_inplace_
+    original_ring, ring_walls = RingRoundRunner._ring, {}
+
+    async def ring_timed(self: Any) -> None:  # a ring round's own span, within the averager's (wall clock)
+        began = time.time()
+        try:
+            await original_ring(self)
+        finally:
+            ring_walls[self.group_id] = (began, time.time())
+
+    RingRoundRunner._ring = ring_timed  # type: ignore[method-assign]
 
     def dht_counts(dht: Any) -> Counter:
         return Counter({**dht_stats.dht_message_counts(dht), **dht_stats.dht_request_counts(dht)})
@@ -265,6 +279,7 @@ def swarm_worker(spec: dict) -> None:
             row = {"averager": self.prefix, "group": group_info.group_id.hex(), "size": len(group_info.peer_ids),
                    "key": self._matchmaking.group_key_manager.current_key, "peer": str(self.peer_id)[-6:],
                    "seconds": seconds, "start": wall, "end": end, "dht": dht, "probe_s": started - probe,
+                   "ring": ring_walls.pop(group_info.group_id, None),
                    "by_role": {k: round(after.get(k, 0.0) - roles.get(k, 0.0), 3) for k in after}}  # fmt: skip
             with rounds_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -887,9 +902,17 @@ def summarize_swarm(
         roles = sorted({role for group in by_round for r in group for role in r["by_role"]})
         spans = [max(r["end"] for r in g) - min(r["start"] for r in g) for g in by_round]
         skews = [max(r["start"] for r in g) - min(r["start"] for r in g) for g in by_round]
+        rings = [g for g in by_round if all(r.get("ring") for r in g)]  # ring rounds: where each peer's time went
+        ring_split = {
+            "ring_start_skew_s": [round(max(r["ring"][0] for r in g) - min(r["ring"][0] for r in g), 3) for g in rings],
+            "before_ring_s_median": [round(statistics.median(r["ring"][0] - r["start"] for r in g), 3) for g in rings],
+            "after_ring_s_median": [round(statistics.median(r["end"] - r["ring"][1] for r in g), 3) for g in rings],
+            "ring_from_last_start_s": [round(max(r["ring"][1] for r in g) - max(r["ring"][0] for r in g), 3)
+                                       for g in rings],
+        } if rings else {}  # fmt: skip
         result.append({
             "peers": peers, "bandwidth_mbit": mbit or None, "compression": name, "engine": f"{engine} ({kind} rounds)",
-            "span_s": [round(t, 3) for t in spans], "start_skew_s": [round(t, 3) for t in skews],
+            "span_s": [round(t, 3) for t in spans], "start_skew_s": [round(t, 3) for t in skews], **ring_split,
             "probe_s_max": round(max(r.get("probe_s", 0.0) for g in by_round for r in g), 3),
             "payload_bytes": payload, "bound_s": round(bound, 3) if bound else None, "median_s": round(median, 3),
             "group_sizes": [max(r["size"] for r in group) for group in by_round],
