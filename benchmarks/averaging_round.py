@@ -252,10 +252,10 @@ def swarm_worker(spec: dict) -> None:
     original = ReportingMixin._run_allreduce_inplace_
     original_ring, ring_walls = RingRoundRunner._ring, {}
 
-    async def ring_timed(self: Any) -> None:  # a ring round's own span, within the averager's (wall clock)
+    async def ring_timed(self: Any) -> Any:  # a ring round's own span, within the averager's (wall clock)
         began = time.time()
         try:
-            await original_ring(self)
+            return await original_ring(self)
         finally:
             ring_walls[self.group_id] = (began, time.time())
 
