@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import amap_in_executor
 from hivemind.utils.timed_storage import get_dht_time
 
 from trahiv.averaging.partial import RoundReport
@@ -153,9 +153,13 @@ async def run_exact_allreduce_(
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
         return
-    async for tensor, result in azip(as_aiter(*tensors), runner):
-        tensor.copy_(result)
+    index = 0
+    async for result in runner:  # (hivemind zipped the tensors and the results with a gather of two tasks a tensor)
+        tensors[index].copy_(result)
         averager.last_updated = get_dht_time()  # (no `_state_updated`: see trahiv.engine.allreduce)
+        index += 1
+    if index != len(tensors):
+        raise AllreduceException(f"the round returned {index} of {len(tensors)} tensors")
 
 
 class ExactAverager(RobustAverager):
