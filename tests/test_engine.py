@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -486,6 +487,61 @@ def test_the_first_batch_of_training_is_not_a_measure_of_throughput(skip_first, 
             feed(optimizer, param, 4)
         assert (ema.samples_per_second > 10) == skip_first, ema
         assert optimizer.tracker.local_progress.samples_accumulated == 12
+
+
+class StaleRead:
+    """The tracker's DHT for its own thread's background fetch of the swarm's progress, once armed: the fetch reads the
+    records at once, then waits for `release` before handing them over (a DHT read that took a while, as on a busy
+    machine). Everything else goes to the DHT."""
+
+    def __init__(self, dht: Any, tracker: Any):
+        self.dht, self.tracker = dht, tracker
+        self.armed, self.entered, self.release = False, threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dht, name)
+
+    def get(self, key: Any, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        found = self.dht.get(key, *args, return_future=return_future, **kwargs)
+        if not (self.armed and return_future and threading.current_thread() is self.tracker):
+            return found
+        self.armed = False
+
+        async def read_then_wait() -> Any:
+            records = await found
+            self.entered.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
+            return records
+
+        return read_then_wait()
+
+
+def test_a_fetch_of_the_swarm_that_began_before_this_peers_report_does_not_undo_it():
+    """The tracker's background fetch of the swarm's progress holds the records as the DHT gave them, this peer's own
+    among them; a report of this peer's made while the read was on its way added its samples to the view the fetch
+    then replaced. The step's last report was undone: the peer, alone, computed a third batch of a 2-batch step (a
+    clean-clone run of test_trainer_alone.py, where the measured batches were 4 instead of 3). A fetched view counts
+    this peer's own progress as it is now. Here the fetch reads the records (this peer's: at most 4 samples), this peer
+    reports 8 of its step's 8, then the fetch hands the records over."""
+    with lone_peer("stale_fetch", target=8, batch=4) as (swarm, optimizer, param):
+        swarm.catch_up()
+        feed(optimizer, param, 4)
+        tracker = optimizer.tracker
+        stale = StaleRead(tracker.dht, tracker)
+        tracker.dht = stale
+        try:
+            stale.armed = True
+            assert stale.entered.wait(30), "the tracker did not fetch the swarm's progress"
+            tracker.report_local_progress(optimizer.local_epoch, 8)
+            assert tracker.ready_to_update_epoch
+            tracker.fetched_global_progress_this_epoch.clear()
+            stale.release.set()
+            assert tracker.fetched_global_progress_this_epoch.wait(30), "the fetch did not end"
+            assert tracker.global_progress.samples_accumulated == 8, tracker.global_progress
+            assert tracker.ready_to_update_epoch
+        finally:
+            stale.release.set()
+            tracker.dht = stale.dht
 
 
 def test_a_peer_reports_the_throughput_it_had_as_the_step_began_in_every_report_of_the_step():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -153,7 +154,29 @@ class SwarmProgressTracker(ProgressTracker):
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
         # peer -> (record time, when pinged, future, pings it left unanswered before this one): `_gone`
         self._pings: dict[bytes, tuple[float, float, Any, int]] = {}
+        # this peer's own progress as the last view of the swarm counted it, and a lock that orders this peer's
+        # reports with the views' hand-over (the `global_progress` setter)
+        self._own_lock, self._counted = threading.Lock(), None
         super().__init__(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def global_progress(self) -> Any:
+        return self._global_progress
+
+    @global_progress.setter
+    def global_progress(self, progress: Any) -> None:
+        """A view of the swarm counts this peer's own progress as it is now. hivemind's background fetch holds the
+        records as the DHT gave them (this peer's own among them), and a report this peer made while the read was on
+        its way added its samples to the view that the fetch then replaced: the step's last report was undone, and a
+        peer alone computed a third batch of a 2-batch step (the measured batches of a clean-clone run's
+        test_trainer_alone.py were 4 instead of 3). `_parse_swarm_progress_data` counts this peer's own progress
+        instead of its record; a report made since is added here (the lock orders the two)."""
+        with self._own_lock:
+            counted, self._counted = self._counted, None
+            local = self.local_progress
+            if counted is not None and local is not counted and local.epoch == counted.epoch == progress.epoch:
+                progress.samples_accumulated += local.samples_accumulated - counted.samples_accumulated
+            self._global_progress = progress
 
     def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> LocalTrainingProgress:
         """This peer's record, with the throughput it had as the step began, the same in every report of the step.
@@ -181,18 +204,20 @@ class SwarmProgressTracker(ProgressTracker):
         final report, 0.05-0.63 s a step (benchmarks/compute_utilization.py). This peer's own decisions leave the
         promised samples out until its batch is accumulated (`report_local_progress`)."""
         tracker: Any = self  # (hivemind's attributes are untyped)
-        progress = tracker.local_progress
-        if progress.epoch == tracker.global_progress.epoch:
-            tracker.global_progress.samples_accumulated += samples
-        tracker.local_progress = tracker._get_local_progress(progress.epoch, progress.samples_accumulated + samples)
-        self.promised = samples
+        with self._own_lock:
+            progress = tracker.local_progress
+            if progress.epoch == tracker.global_progress.epoch:
+                tracker.global_progress.samples_accumulated += samples
+            tracker.local_progress = tracker._get_local_progress(progress.epoch, progress.samples_accumulated + samples)
+            self.promised = samples
         tracker.should_report_progress.set()
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         self.promised = 0  # kept (its samples, counted when promised, accumulated) or replaced by what there is
         tracker: Any = self  # (hivemind's attributes are untyped)
         first = self._first_batch_pending and samples_accumulated > tracker.local_progress.samples_accumulated
-        super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        with self._own_lock:  # (a view of the swarm handed over meanwhile counts it: `global_progress`)
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         if first:  # not a measure (`start_measuring`): the next batch's time is
             self._first_batch_pending = False
             ema: Any = self.performance_ema
@@ -289,10 +314,15 @@ class SwarmProgressTracker(ProgressTracker):
             del self._latest[peer]  # left, or far behind: as hivemind's records, only the current ones count
 
     def _parse_swarm_progress_data(self, metadata: Any):
-        self._remember_latest(metadata)
-        records = self._without_the_gone(self._trusted_records(self._well_formed_records(metadata)))
-        sanitized = {key: ValueWithExpiration(record.dict(), expires) for key, (record, expires) in records.items()}
-        progress = super()._parse_swarm_progress_data(sanitized)
+        with self._own_lock:  # this peer's own record as it is now, unchanged as the view is built (`global_progress`)
+            self._counted = counted = self.local_progress
+            own = self._local_public_key
+            if isinstance(metadata, dict) and own in metadata:
+                metadata = {**metadata, own: ValueWithExpiration(counted.dict(), metadata[own].expiration_time)}
+            self._remember_latest(metadata)
+            records = self._without_the_gone(self._trusted_records(self._well_formed_records(metadata)))
+            sanitized = {key: ValueWithExpiration(r.dict(), expires) for key, (r, expires) in records.items()}
+            progress = super()._parse_swarm_progress_data(sanitized)
         peers = {PeerID(record.peer_id).to_base58(): record for record, _ in records.values()}
         own = self.dht.peer_id.to_base58()
         for peer in peers.keys() - self.active_peers.keys():
