@@ -246,11 +246,35 @@ def test_a_peer_past_the_rounds_step_is_capped_by_the_target_not_its_new_record(
 
     records = {b"a": record(a, 16, 7), b"b": record(b, 0, 8), b"c": record(c, 12, 6)}  # b moved on; c is behind
     assert reported_sample_caps(records, [a, b, c], now) == {a: 21.0, b: 1.0, c: 16.0}  # b clamped to nothing
-    caps = reported_sample_caps(records, [a, b, c], now, round_epoch=7, moved_on_cap=1.25 * 32 + 1)
+    caps = reported_sample_caps(records, [a, b, c], now, round_epoch=7, step_cap=1.25 * 32 + 1)
     assert caps == {a: 21.0, b: 41.0, c: 16.0}
     assert reported_sample_caps(records, [a, b, c], now, round_epoch=7)[b] == 21.0  # no target: the others' largest
     wrapped = {b"a": record(a, 16, 2**16 + 3), b"b": record(b, 0, 2**16 + 4)}  # steps compared as matchmaking keys
-    assert reported_sample_caps(wrapped, [a, b], now, round_epoch=3, moved_on_cap=41.0) == {a: 21.0, b: 41.0}
+    assert reported_sample_caps(wrapped, [a, b], now, round_epoch=3, step_cap=41.0) == {a: 21.0, b: 41.0}
+
+
+def test_no_peer_is_capped_above_what_a_whole_step_holds():
+    """With the step's target known, a record's samples or rate (forged, or extrapolated over a second or more) cannot
+    lift its peer's cap above WEIGHT_SLACK x target + 1; a record within the step keeps its own cap."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    a, b, c, d = (PeerID(bytes([18, 32, *([i] * 32)])) for i in (1, 2, 3, 4))
+    now, step_cap = 1000.0, 1.25 * 64 + 1
+
+    def record(peer: PeerID, samples: float, rate: float, at: float) -> ValueWithExpiration:
+        value = dict(peer_id=peer.to_bytes(), samples_accumulated=samples, samples_per_second=rate, time=at, epoch=1)
+        return ValueWithExpiration(value, at + 60)
+
+    records = {
+        b"a": record(a, 8, 79.0, now - 1),  # a second's extrapolation past the step: 87 samples
+        b"b": record(b, 8, 1e12, now - 1),  # a forged rate
+        b"c": record(c, 1e9, 0.0, now),  # forged samples
+        b"d": record(d, 8, 4.0, now - 1),  # within the step: 12 samples
+    }
+    assert reported_sample_caps(records, [a, b, c, d], now)[b] > 1e12  # (without the step's target: unbounded)
+    caps = reported_sample_caps(records, [a, b, c, d], now, round_epoch=1, step_cap=step_cap)
+    assert caps == {a: step_cap, b: step_cap, c: step_cap, d: 1.25 * 12 + 1}
 
 
 def test_the_tracker_hands_a_round_each_peers_latest_record():
@@ -282,5 +306,5 @@ def test_the_tracker_hands_a_round_each_peers_latest_record():
     by_peer = {entry.value["peer_id"]: (entry.value["epoch"], entry.value["samples_accumulated"]) for entry in
                records.values()}  # fmt: skip
     assert by_peer == {ids["a"].to_bytes(): (7, 8), ids["b"].to_bytes(): (8, 4), ids["c"].to_bytes(): (6, 2)}
-    caps = reported_sample_caps(records, [ids["a"], ids["b"], ids["c"]], 0.0, round_epoch=7, moved_on_cap=21.0)
+    caps = reported_sample_caps(records, [ids["a"], ids["b"], ids["c"]], 0.0, round_epoch=7, step_cap=21.0)
     assert caps == {ids["a"]: 11.0, ids["b"]: 21.0, ids["c"]: 3.5}  # (d, 3 steps behind, is forgotten)

@@ -145,18 +145,23 @@ def reported_sample_caps(
     now: float,
     *,
     round_epoch: int | None = None,
-    moved_on_cap: float | None = None,
+    step_cap: float | None = None,
 ) -> dict[PeerID, float]:
     """The most each peer of a group may weigh in a gradient round, from the swarm's progress records (hivemind's
     `{run_id}_progress`: samples accumulated, samples/s, time): WEIGHT_SLACK x (reported samples, extrapolated at the
     reported rate for at most MAX_EXTRAPOLATION_S) + 1. A peer without a record gets the smallest cap of the others;
     several records naming one peer count as the largest (a forged record cannot lower another peer's cap).
 
+    Given `step_cap` (WEIGHT_SLACK x target_batch_size + 1: what a whole step holds), no cap exceeds it: a record's
+    samples or rate, forged or extrapolated, cannot lift a peer above the step. Extrapolated alone, a record read 1 s
+    before an attacker's round let its inflated weight (8 samples claimed as 8,000) through as 99.8, over the step's 64
+    samples (`test_byzantine.py`, once); a record claiming a huge rate lifted its cap without bound.
+
     Given the round's step (`round_epoch`, compared modulo 2**16 as matchmaking keys carry it), a record of a later
     step says what its peer accumulated since it finished the round's step, not for it: such a peer is capped at
-    `moved_on_cap` (WEIGHT_SLACK x target_batch_size + 1), or the largest cap of the others. Peers that finished a
-    round before another peer of it began (background averaging, a slow peer) were clamped to a few samples: 16 to
-    1.2 in benchmarks/compute_utilization.py."""
+    `step_cap`, or the largest cap of the others. Peers that finished a round before another peer of it began
+    (background averaging, a slow peer) were clamped to a few samples: 16 to 1.2 in
+    benchmarks/compute_utilization.py."""
     reported: dict[bytes, float] = {}
     moved_on: set[bytes] = set()
     entries = records.items() if isinstance(records, dict) else ()
@@ -178,9 +183,11 @@ def reported_sample_caps(
         estimate = samples + rate * elapsed
         reported[value["peer_id"]] = max(reported.get(value["peer_id"], 0.0), estimate)
     caps = {peer: WEIGHT_SLACK * reported[peer.to_bytes()] + 1 for peer in peers if peer.to_bytes() in reported}
+    if step_cap is not None:
+        caps = {peer: min(cap, step_cap) for peer, cap in caps.items()}
     moved = [peer for peer in peers if peer.to_bytes() in moved_on]
     if moved:
-        cap = moved_on_cap if moved_on_cap is not None else max(caps.values(), default=math.inf)
+        cap = step_cap if step_cap is not None else max(caps.values(), default=math.inf)
         caps.update({peer: max(caps.get(peer, 0.0), cap) for peer in moved})
     if not caps:
         return {}

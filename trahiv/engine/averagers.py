@@ -367,7 +367,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
         group_bits = fixes.SEARCH_BITS.get() or self._matchmaking.group_key_manager.group_bits  # (this round's step)
         round_epoch = int(group_bits, 2) if len(group_bits) == EPOCH_KEY_BITS else None  # the step, modulo 2**16
         target = getattr(self, "target_batch_size", None)
-        limits = dict(round_epoch=round_epoch, moved_on_cap=None if target is None else WEIGHT_SLACK * target + 1)
+        limits = dict(round_epoch=round_epoch, step_cap=None if target is None else WEIGHT_SLACK * target + 1)
         records, bits = getattr(self, "_reported_progress", (None, None))
         if bits is not None and bits == group_bits:  # read for this round's step
             return reported_sample_caps(records, peers, get_dht_time(), **limits)
