@@ -308,7 +308,7 @@ class AveragingHelper:
         can_lead = any(not record.client_mode for record in tracker.active_peers.values())
         self._announce()
         if swarm > local:  # the trainers moved on: this step's round is over, with or without this peer
-            self._next_step(swarm, skipped=True)
+            self._next_step(self._step_to_aim_at(swarm, can_lead), skipped=True)
         elif tracker.ready_to_update_epoch:  # the trainers reached the step's samples: they average now
             if not pending and trainers >= 2 and not can_lead:
                 # only clients, which cannot form a group without this peer: they wait for a leader, lead now
@@ -316,8 +316,8 @@ class AveragingHelper:
                 logger.info(f"Averaging helper, step {local}: the trainers (all in client mode) wait for a leader")
             if pending:
                 self._control = None
-                self._average(self.averager, control, local)
-                self._next_step(local + 1)
+                took_part = self._average(self.averager, control, local)
+                self._next_step(local + 1 if took_part else self._step_to_aim_at(local + 1, can_lead))
                 if self._leads_parameter_round(local + 1, can_lead):
                     self._average_parameters(local + 1)
             # else: they average without this peer. No new group before they moved on (it would join theirs).
@@ -330,6 +330,17 @@ class AveragingHelper:
             self._schedule(
                 min(2 * opt.matchmaking_time, opt.averaging_timeout / 2) if can_lead else opt.matchmaking_time
             )
+
+    def _step_to_aim_at(self, step: int, can_lead: bool) -> int:
+        """The step whose gradient round this peer looks for next, after it missed one and the trainers are at `step`
+        (or past it). Trainers that can lead form their group as they enter a step (they expect each other, not this
+        peer), so a search that begins after that finds the group gone: a helper that missed one round, then searched
+        for each step as it saw the trainers in it, missed every later one (45 steps in a row, `test_aux_auth.py`,
+        twice in clean-clone runs). It looks for the next step's group instead, before the trainers enter it. Trainers
+        that are all in client mode wait for this peer to lead: their step's round is still to come."""
+        self.tracker.refresh_now()
+        step = max(step, self.tracker.global_epoch)
+        return step + 1 if can_lead else step
 
     def _schedule(self, wait: float) -> Any:
         """Look for a group, declaring that the round begins in `wait` seconds."""
@@ -419,14 +430,18 @@ class AveragingHelper:
                 if self.tracker.global_epoch > step:
                     raise RuntimeError(f"the trainers moved on to step {self.tracker.global_epoch} without this peer")
 
-    def _average(self, averager: Any, control: Any, step: int, what: str = "") -> None:
+    def _average(self, averager: Any, control: Any, step: int, what: str = "") -> bool:
+        """Take part in the round of `control`; whether it ended with this peer in it (how it went is in the
+        averager's reports)."""
         opt = self.config.opt if self.config is not None else None
         assert opt is not None
         label = f"step {step}" + (f" ({what})" if what else "")
         self._averaging = control
+        took_part = False
         try:
             averager.step(control=control, wait=False, timeout=opt.averaging_timeout)
             self._wait_for_round(control, step, opt.averaging_timeout, give_up=averager is self.averager)
+            took_part = True
         except BaseException as e:
             if not control.done():
                 control.cancel()
@@ -442,6 +457,7 @@ class AveragingHelper:
         self.rounds = dict(self.averager.round_counts)
         if self.state_averager is not None:
             self.state_rounds = dict(self.state_averager.round_counts)
+        return took_part
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
