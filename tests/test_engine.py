@@ -597,13 +597,11 @@ def test_a_step_transition_reads_the_progress_again_only_if_the_last_read_is_old
         assert optimizer.local_epoch == 3 and reads == [2], reads
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
-def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_batch_computes(monkeypatch, background):
-    """`OverlappedAccumulation`, with synchronous rounds (the default) and in background mode: gradients left in new
-    tensors (a backward after `zero_grad(set_to_none=True)`) are added in a background thread, after `step()`
-    returned; gradients zeroed in place (the last step's tensors again) are added at once, in the caller's thread; the
-    optimizer's `zero_grad` and a round's reading of the accumulators wait for an addition in flight. Every addition
-    here waits at a gate the test opens."""
+def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_batch_computes(monkeypatch):
+    """`OverlappedAccumulation`: gradients left in new tensors (a backward after `zero_grad(set_to_none=True)`) are
+    added in a background thread, after `step()` returned; gradients zeroed in place (the last step's tensors again)
+    are added at once, in the caller's thread; the optimizer's `zero_grad` and a round's reading of the accumulators
+    wait for an addition in flight. Every addition here waits at a gate the test opens."""
     from trahiv.engine import averagers
     from trahiv.engine.averagers import OverlappedAccumulation
 
@@ -622,8 +620,11 @@ def test_a_local_steps_gradients_are_added_to_the_accumulators_while_the_next_ba
 
     monkeypatch.setattr(averagers, "_add_all_", gated_add)
     monkeypatch.setattr(OverlappedAccumulation, "finish_accumulation", finish_entered)
-    modes = {"delay_optimizer_step": True, "delay_grad_averaging": True} if background else {}
-    with lone_peer("overlap", target=100, batch=1, **modes) as (swarm, optimizer, param):
+    with lone_peer("overlap", target=100, batch=1, delay_optimizer_step=True, delay_grad_averaging=True) as (
+        swarm,
+        optimizer,
+        param,
+    ):
         swarm.catch_up()
         accumulator = optimizer.grad_averager._local_accumulators[0]
         feed(optimizer, param, 1)  # the first step: nothing to compare its tensors with, added at once

@@ -223,14 +223,17 @@ class OverlappedAccumulation(GradientAverager):
     _accumulation: Future | None = None
     _accumulating: ThreadPoolExecutor | None = None  # made in the trainer's process, after the averager's fork
     _last_grads: tuple[torch.Tensor, ...] = ()
+    overlap_accumulation = True  # (False: added at once, as hivemind does)
 
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int) -> None:
         if self.reuse_grad_buffers:
             return super().accumulate_grads_(batch_size)
         grads = tuple(self._grads_from_parameters())
-        released = len(grads) == len(self._last_grads) and all(
-            new is not old for new, old in zip(grads, self._last_grads, strict=True)
+        released = (
+            self.overlap_accumulation
+            and len(grads) == len(self._last_grads)
+            and all(new is not old for new, old in zip(grads, self._last_grads, strict=True))
         )
         self.finish_accumulation()
         self._last_grads = ()
