@@ -155,6 +155,25 @@ def byzantine_averager(attack: dict) -> type[DiLoCoAverager]:
     return ByzantineDiLoCoAverager
 
 
+def recording_averager(base: type[DiLoCoAverager], path: Path) -> type[DiLoCoAverager]:
+    """An averager that appends to `path`, for each all-reduce, the norm of the pseudo-gradients this peer sent (all
+    its tensors as one vector), of the aggregate it got back, and of their difference."""
+
+    def norm(tensors) -> float:
+        return float(torch.linalg.vector_norm(torch.cat([t.detach().reshape(-1).double() for t in tensors])))
+
+    class RecordingDiLoCoAverager(base):  # type: ignore[misc,valid-type]
+        async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
+            sent = [t.detach().clone() for t in tensors]
+            await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
+            moved = norm([t - s for t, s in zip(tensors, sent, strict=True)])
+            line = {"sent": norm(sent), "received": norm(tensors), "moved": moved, "group": len(group_info.peer_ids)}
+            with open(path, "a") as file:
+                file.write(json.dumps(line) + "\n")
+
+    return RecordingDiLoCoAverager
+
+
 def faulty_averager(base: type[DiLoCoAverager], at_round: int, fault: str, root: int) -> type[DiLoCoAverager]:
     """An averager whose all-reduce number `at_round` (from 1) meets `fault`:
     - "fail": it fails at once: its group counted it in, and it sends nothing (as when its search ended as the group
@@ -256,6 +275,8 @@ def main(spec_path: str) -> int:
     )
     if spec.get("byzantine"):
         DiLoCoOptimizer.averager_cls = byzantine_averager(spec["byzantine"])
+    if spec.get("record_allreduce"):
+        DiLoCoOptimizer.averager_cls = recording_averager(DiLoCoOptimizer.averager_cls, out / "allreduce.jsonl")
     for fault in ("fail", "crash"):  # the sync of outer step N is the peer's all-reduce N + 1 (every sync averaged)
         if spec.get(f"{fault}_round_at_sync") is not None:
             at_round = spec[f"{fault}_round_at_sync"] + 1

@@ -104,6 +104,8 @@ class DiLoCoPeerSpec(_Common):
     # training ended leaves at once (the behaviour before DiLoCoOptimizer.serve_late_peers, as a control)
     adopt_delay: float = Field(0.0, ge=0)
     serve_late: bool = True
+    # allreduce.jsonl: one line per all-reduce, the norm of what this peer sent and of the aggregate it got back
+    record_allreduce: bool = False
 
 
 SPECS: dict[str, type[_Common]] = {"peer_worker.py": PeerSpec, "diloco_worker.py": DiLoCoPeerSpec}

@@ -612,19 +612,22 @@ def test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it(tmp_path, wor
 
 def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
     """Four peers, one sends its pseudo-gradients x1000 at every sync. With CenteredClip the three honest peers stay
-    identical and finite, keep training (their inner-step loss falls), and the attack's damage stays bounded: their
-    eval loss after 3 syncs stays within 1.0 of the start. With the plain mean one sync would move the weights ~250x
-    an honest outer step.
+    identical and finite, keep training (their inner-step loss falls), and the attack's damage stays bounded: every
+    sync's aggregate is smaller than twice the largest honest pseudo-gradient (measured 0.85-1.04x in 5 runs beside a
+    CPU burner; with the plain mean, 248x at every sync and an eval loss of 1274-2120 from 6.27), and the eval loss
+    after 3 syncs stays within 3.0 of the start.
 
-    Not "the eval loss falls": CenteredClip's fixed point (about the geometric median) sits on the attacker's side of
-    the honest copies by a fraction of their spread (0.35x their distance to their centre, with three), and AdamW's
-    pseudo-gradients after 4 inner steps differ about as much as they agree, so each sync adds noise of the size of
-    an honest step. Measured at 3 syncs: 5.37, 5.47 and 6.68 from 6.27 (batch 8, 3 honest peers); 6.76 to 10.2 with
-    batch 2 (2 or 3 honest peers). tau sits well below the honest pseudo-gradients' norm per part (0.2 to 1.9 here);
-    with tau=1.0 the bias reached 2.5x an honest pseudo-gradient on the small parts (9.84 from 6.27)."""
+    The eval loss is only a coarse check: CenteredClip's fixed point (about the geometric median) sits on the
+    attacker's side of the honest copies by a fraction of their spread (0.35x their distance to their centre, with
+    three), and AdamW's pseudo-gradients after 4 inner steps differ about as much as they agree (each honest peer's
+    distance to the aggregate is 0.5-0.8x its own norm), so each sync adds noise of the size of an honest step.
+    Measured at 3 syncs: 5.17 to 5.65 (5 runs beside a burner), 5.37, 5.47, 6.68 and, in a CI run, 7.70 from 6.27
+    (batch 8, 3 honest peers); 6.76 to 10.2 with batch 2 (2 or 3 honest peers). tau sits well below the honest
+    pseudo-gradients' norm per part (0.2 to 1.9 here); with tau=1.0 the bias reached 2.5x an honest pseudo-gradient
+    on the small parts (9.84 from 6.27)."""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_byz", "initial_peers": boot.initial_peers, "batch_size": 8,
-              "inner_steps": 4, "max_steps": 12, "eval_blocks": 8,
+              "inner_steps": 4, "max_steps": 12, "eval_blocks": 8, "record_allreduce": True,
               "opt": {"min_peers": 4, "aggregation": {"name": "centered_clip", "tau": 0.1, "n_iters": 30}}}  # fmt: skip
     evil = {"attack": "scale", "factor": 1000.0}
     peers = [*(start_diloco_peer(tmp_path, name, **common) for name in "abc"),
@@ -635,9 +638,16 @@ def test_byzantine_peer_under_centered_clip(tmp_path, workdir):
         for peer in peers:
             stop(peer.process)
         boot.stop()
+    rounds = [[json.loads(line) for line in (peer.out / "allreduce.jsonl").read_text().splitlines()] for peer in peers]
     for done in dones:
         assert done["outer_step"] == 3 and done["syncs"]["averaged"] == 3, done
-        assert math.isfinite(done["eval_loss"]) and done["eval_loss"] < done["eval_loss_begin"] + 1.0, done
+    # every sync's aggregate stays the size of an honest pseudo-gradient (the mean: ~250x)
+    assert all(len(peer_rounds) == 3 for peer_rounds in rounds), rounds
+    for sync in range(3):
+        honest = max(peer_rounds[sync]["sent"] for peer_rounds in rounds[:3])
+        assert all(peer_rounds[sync]["received"] < 2 * honest for peer_rounds in rounds[:3]), (sync, rounds)
+    for done in dones:
+        assert math.isfinite(done["eval_loss"]) and done["eval_loss"] < done["eval_loss_begin"] + 3.0, done
         assert done["train_loss"] < done["eval_loss_begin"], done
     records = [syncs(peer) for peer in peers[:3]]
     assert all(records[0][s]["sha256"] == other[s]["sha256"] for other in records[1:] for s in range(1, 4))
