@@ -244,6 +244,29 @@ def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir
         assert b.params_at()[step]["values"] == pytest.approx(params_a[step]["values"]), (step, woke)
 
 
+def test_a_peer_frozen_in_the_last_step_ends_with_the_swarms_weights(tmp_path, workdir):
+    """A peer frozen for 11 s as the last step begins misses that step's round: the other waits for it in the round
+    for `averaging_timeout` (6 s), then takes the step with its own gradients, and, its training ended, serves its
+    state until the frozen peer has downloaded it (`SwarmOptimizer.serve_late_peers`, at most averaging_timeout +
+    matchmaking_time: 8 s), so both end with the same parameters. Leaving at once, it left the frozen peer nobody to
+    download from: that peer took the last step with its own gradients (toy gradients +1, +3: a step apart shows)."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(workdir=str(workdir), run_id="late_end", target=8, max_steps=3, batch_size=4, sleep_per_step=0.1,
+                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 6.0})  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", toy_grad=1.0, **common)
+        b = start_peer(tmp_path, "b", toy_grad=3.0, faults=[{"kind": "stall", "at_step": 2, "seconds": 11.0}], **common)
+        done_a, done_b = a.finish(), b.finish()
+    finally:
+        boot.stop()
+    assert done_a["global_step"] == done_b["global_step"] == 3
+    fault = next(row for row in b.records() if row["kind"] == "fault")
+    assert fault["step"] == 2, fault
+    assert b.params_at()[3]["values"] == a.params_at()[3]["values"]
+    assert "serving its state to 1 peer(s) still at the step before" in a.log(), a.log()[-3000:]
+    assert "Peer is out of sync" in b.log(), b.log()[-3000:]  # (hivemind: it downloads the state)
+
+
 def test_a_misspelt_peer_spec_fails_before_any_process_starts(tmp_path, workdir):
     with pytest.raises(ValueError, match="batch_sise"):
         start_peer(tmp_path, "typo", workdir=str(workdir), run_id="typo", target=8, max_steps=1, batch_sise=4)

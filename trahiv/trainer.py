@@ -216,6 +216,10 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
                 control.should_save = True
         return control
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.swarm.optimizer.serve_late_peers()  # (not after an interruption: called only at the end)
+        return control
+
 
 class Trainer(transformers.Trainer):
     """transformers.Trainer that trains with a swarm when `args.hivemind_config` is set."""

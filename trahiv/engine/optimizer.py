@@ -81,6 +81,7 @@ __all__ = [
 _GROUP_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 UNCONFIRMED_CHECK_PERIOD = 120.0  # seconds between state downloads that check a lone far-ahead progress record
 LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer looks for a group
+LATE_PEERS_POLL = 0.25  # seconds between looks at the swarm while a peer whose training ended serves late peers
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
@@ -916,6 +917,38 @@ class SwarmOptimizer(hivemind.Optimizer):
         if finish is not None:
             finish()
         super().zero_grad(set_to_none=set_to_none)
+
+    def serve_late_peers(self) -> None:
+        """Training ended: keep serving this peer's state while another trainer is still a step behind (its progress
+        record at this peer's step - 1, and it answers pings: a frozen peer counts, a dead one does not), for at most a
+        round's timeout plus matchmaking_time. The round of the last step went on without that peer, and it downloads
+        the result once it sees the swarm past its step (`_missed_the_round`). Leaving at once, the last peers of a
+        run stopped serving as the peer left out of their last round came to download it: with nobody to download
+        from, it took the step with its own gradients and ended apart from them (tests/test_ring.py's toy ring beside
+        a busy core, runs CZ and DP). The synchronous mode's DiLoCoOptimizer.serve_late_peers."""
+        if self.auxiliary or not self.tracker.has_other_peers:
+            return
+        deadline = time.monotonic() + self.averaging_timeout + self.matchmaking_time
+        own, waited = self.dht.peer_id.to_bytes(), False
+        while time.monotonic() < deadline:
+            try:
+                self.tracker.refresh_now()
+                records = self.tracker.active_peers.values()  # (less the peers gone: they no longer answer pings)
+                late = [r.peer_id for r in records if r.peer_id != own and r.epoch == self.local_epoch - 1]
+            except Exception as e:  # (the DHT shut down under it): nothing to serve any more
+                logger.debug(f"Stopped serving late peers: {e!r}")
+                return
+            if not late:
+                break
+            if not waited:
+                logger.info(
+                    f"Training ended at step {self.local_epoch}: serving its state to {len(late)} peer(s) still at "
+                    "the step before"
+                )
+                waited = True
+            time.sleep(LATE_PEERS_POLL)
+        if waited:
+            logger.info(f"Stopped serving the state of step {self.local_epoch}")
 
     def shutdown(self) -> None:
         """hivemind's, once this peer's last round, still running in the background (`delay_grad_averaging`), has
