@@ -28,7 +28,6 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from swarm_helpers import step_together, wait_for
@@ -508,63 +507,3 @@ def test_with_hiveminds_request_the_follower_is_left_out_of_the_group_that_count
         results, tensors = run_stream_ended(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[0], torch.zeros(4)) and torch.equal(tensors[1], torch.ones(4)), tensors
-
-
-# --- a group waits for its expected peers until the step is due (trahiv.engine.averagers.RobustGradientAverager) ---
-
-HELD_MM_S = 1.0  # min_matchmaking_time: hivemind's leader assembles what it has this long after scheduling
-LATE_SEARCH_S = 2.5  # c's search begins this long after a's and b's (it was still computing its share)
-
-
-def held_round(stack: ExitStack) -> list[Any]:
-    """a and b schedule their gradient round at once, c (expected, as the trainers' records say) LATE_SEARCH_S later;
-    then all three trigger it, as their step is due. Each one's result (its group's gathered data) or exception."""
-    from trahiv.engine.averagers import RobustGradientAverager
-
-    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
-    dhts += [hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()) for _ in "bc"]
-    for dht in dhts:
-        stack.callback(dht.shutdown)
-    averagers = []
-    for rank, dht in enumerate(dhts):
-        parameter = torch.nn.Parameter(torch.full((4,), float(rank)))
-        averager = RobustGradientAverager(
-            [parameter], dht=dht, prefix="held", min_group_size=2, min_matchmaking_time=HELD_MM_S,
-            request_timeout=0.5, start=True,
-        )  # fmt: skip
-        stack.callback(averager.shutdown)
-        averagers.append(averager)
-    expected = [dht.peer_id.to_bytes() for dht in dhts]
-    for averager in averagers:
-        averager.expect_peers(expected)
-    began = time.monotonic()
-    controls = [averager.schedule_step(timeout=15.0) for averager in averagers[:2]]
-    time.sleep(max(0.0, began + LATE_SEARCH_S - time.monotonic()))  # the fault: c's search begins late
-    controls.append(averagers[2].schedule_step(timeout=6.0))
-    for averager, control in zip(averagers, controls, strict=True):
-        averager.step(control=control, weight=1.0, wait=False)
-    results: list[Any] = []
-    for control in controls:
-        try:
-            results.append(control.result(timeout=20))
-        except Exception as e:
-            results.append(e)
-    return results
-
-
-def test_a_round_scheduled_early_waits_for_an_expected_peer_until_its_step_is_due():
-    with ExitStack() as stack:
-        results = held_round(stack)
-    assert all(isinstance(result, dict) and len(result) == 3 for result in results), results
-
-
-def test_with_hiveminds_declaration_the_group_assembles_without_the_late_peer(monkeypatch):
-    """The control: hivemind's declaration (matchmaking_time after scheduling), nothing assembled at the trigger."""
-    from trahiv.engine.averagers import EpochKeyedMatchmaking, RobustGradientAverager
-
-    monkeypatch.setattr(RobustGradientAverager, "schedule_step", GradientAverager.schedule_step)
-    monkeypatch.setattr(RobustGradientAverager, "_step", EpochKeyedMatchmaking._step)
-    with ExitStack() as stack:
-        results = held_round(stack)
-    assert isinstance(results[0], dict) and len(results[0]) == 2, results  # a and b, assembled as their time ran out
-    assert not isinstance(results[2], dict), results

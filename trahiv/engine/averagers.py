@@ -70,7 +70,6 @@ _ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("tr
 # destroyed but it is pending!", a clean-clone run of test_aux_auth.py): the round hung to averaging_timeout (30 s).
 _RUNNING_STEPS: set[asyncio.Task] = set()
 CAPS_FETCH_TIMEOUT_S = 2.0
-ASSEMBLY_POLL = 0.05  # seconds between looks at a round's trigger and time, for a leader's assembly once it is due
 MAX_STATE_SOURCES = 8  # peers asked for their state, one after the other, before keeping the local state
 DOWNLOAD_ATTEMPTS = 2  # times a source whose download failed is asked for its state
 SERVE_BEFORE_SHUTDOWN_S = 2.0  # a leaving averager lets the parts it reduces reach their senders for this long
@@ -322,57 +321,6 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
             return super().step(*args, **kwargs)
         finally:
             self._in_step = False
-
-    # --- a group waits for its expected peers until the step is due --------------------------------------------------
-    # hivemind's leader assembles its group when the time it declared runs out: matchmaking_time after the round was
-    # scheduled, whoever joined by then. A peer that computed its share of the step holds for the others' reports
-    # (SwarmOptimizer._hold_at_share, up to HOLD_MAX), and a round scheduled before or as the hold began ran out of
-    # declared time during it: the group assembled without the peer whose samples the others were waiting for, and
-    # that peer's search then found no group (its gradients in no round, its samples counted: run DP's ring test,
-    # peer c in none of 3 rounds). Here a round is declared until matchmaking_time before its deadline (the first
-    # declaration: nothing runs out while the step is not due), and once its step is triggered, a leader still
-    # missing an expected peer assembles with those present when hivemind's declaration would have run out, or
-    # request_timeout after the trigger if that is later (`_assemble_once_due`). A group that holds every expected
-    # peer assembles at once, as before (EpochKeyedMatchmaking).
-
-    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> Any:
-        timeout, wait = kwargs.get("timeout"), self.matchmaking_kwargs["min_matchmaking_time"]
-        if scheduled_time is None and timeout is not None and timeout > 2 * wait:
-            scheduled_time = get_dht_time() + timeout - wait
-        return super().schedule_step(scheduled_time=scheduled_time, **kwargs)
-
-    async def _step(self, *, step: Any, future_for_init: Any) -> None:
-        due = asyncio.create_task(self._assemble_once_due(step))
-        try:
-            await super()._step(step=step, future_for_init=future_for_init)
-        finally:
-            due.cancel()
-
-    async def _assemble_once_due(self, step: Any) -> None:
-        """Once `step` is triggered, a leader whose group still lacks an expected peer assembles it with the followers
-        it has (hivemind's "the time is up" outcome) when hivemind would have, matchmaking_time after the search
-        began, and no sooner than request_timeout after the trigger: a step triggers as the last peer's report of its
-        share arrives, and that peer's search, begun as it sent it, then needs a lookup and a join request. A search
-        begun again (a retry after a failed attempt) is given matchmaking_time from its start."""
-        matchmaking = self._matchmaking
-        search, due = matchmaking.assembled_group, time.monotonic() + matchmaking.min_matchmaking_time
-        while not step.done() and (step._trigger is None or not step.triggered):
-            await asyncio.sleep(ASSEMBLY_POLL)
-        due = max(due, time.monotonic() + matchmaking.request_timeout)
-        while not step.done():
-            if matchmaking.assembled_group is not search:  # a new search (hivemind makes a future for each)
-                search, due = matchmaking.assembled_group, time.monotonic() + matchmaking.min_matchmaking_time
-            if time.monotonic() >= due:
-                async with matchmaking.lock_request_join_group:
-                    if (
-                        matchmaking.is_looking_for_group
-                        and not matchmaking.assembled_group.done()
-                        and matchmaking.current_leader is None
-                        and len(matchmaking.current_followers) + 1 >= matchmaking.min_group_size
-                    ):
-                        logger.debug("The step is due: assembling the group with the peers present")
-                        await matchmaking.leader_assemble_group()
-            await asyncio.sleep(ASSEMBLY_POLL)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
         """No download. hivemind.Optimizer.load_state_from_peers downloads a gradient averager's "state" (another

@@ -120,7 +120,6 @@ def apply() -> None:
     _finish_groups_in_assembly()
     _wait_for_found_groups()
     _send_the_group_to_a_member_asking_again()
-    _accept_clients_whatever_their_expiration()
     _applied = True
 
 
@@ -875,35 +874,3 @@ def _send_the_group_to_a_member_asking_again() -> None:
     rpc_join_group._trahiv_led_groups = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "leader_assemble_group", leader_assemble_group)
     _replace(DecentralizedAverager, "rpc_join_group", rpc_join_group)
-
-
-# 13. A client-mode follower refused for its expiration -------------------------------------------------------------
-
-
-def _accept_clients_whatever_their_expiration() -> None:
-    from hivemind.averaging.matchmaking import Matchmaking
-    from hivemind.proto import averaging_pb2
-
-    if getattr(Matchmaking._check_reasons_to_reject, "_trahiv_clients", False):
-        return
-    check = Matchmaking._check_reasons_to_reject
-
-    def _check_reasons_to_reject(self, request, context):  # type: ignore[no-untyped-def]
-        """hivemind's, but a client-mode peer is not refused because its request expires before this leader's
-        declaration. The rule makes the peer that expires first the leader (the others only ask leaders that expire
-        before them); a client can never lead, so it only left the client out, for the round's whole timeout, when its
-        round was scheduled before the leader's (trahiv.engine.averagers.RobustGradientAverager declares a round until
-        its deadline: the client of test_swarm.py's two peers averaged in 1 of 4 steps). Any other reason stands."""
-        reason = check(self, request, context)
-        if reason is not None and reason.code == averaging_pb2.BAD_EXPIRATION_TIME and request.client_mode:
-            return check(self, _later(request, self.potential_leaders.declared_expiration_time), context)
-        return reason
-
-    def _later(request, expiration):  # type: ignore[no-untyped-def]
-        copy = type(request)()
-        copy.CopyFrom(request)
-        copy.expiration = expiration
-        return copy
-
-    _check_reasons_to_reject._trahiv_clients = True  # type: ignore[attr-defined]
-    _replace(Matchmaking, "_check_reasons_to_reject", _check_reasons_to_reject)

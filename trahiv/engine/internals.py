@@ -361,18 +361,6 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.matchmaking:Matchmaking", "current_leader", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "current_followers", "instance", None),
     Internal("hivemind.averaging.matchmaking:Matchmaking", "peer_id", "instance", None),
-    # trahiv.engine.averagers.RobustGradientAverager: a leader's assembly once its step is due
-    Internal("hivemind.averaging.matchmaking:Matchmaking", "min_matchmaking_time", "instance", None),
-    Internal("hivemind.averaging.matchmaking:Matchmaking", "min_group_size", "instance", None),
-    Internal("hivemind.averaging.averager:DecentralizedAverager", "matchmaking_kwargs", "instance", None),
-    Internal("hivemind.averaging.control:StepControl", "_trigger", "instance", None),
-    # trahiv.engine.fixes (13): a client-mode follower is not refused for its expiration
-    Internal(
-        "hivemind.averaging.matchmaking:Matchmaking",
-        "_check_reasons_to_reject",
-        "method",
-        "(self, request: 'averaging_pb2.JoinRequest', context: 'P2PContext') -> 'Optional[averaging_pb2.MessageFromLeader]'",
-    ),
     Internal("hivemind.averaging.key_manager:GroupKeyManager", "target_group_size", "instance", None),
     # trahiv.engine.exact: the codec of a part, without encoding it
     Internal(
