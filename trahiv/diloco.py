@@ -68,7 +68,7 @@ from trahiv.engine import fixes
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
 from trahiv.engine.liveness import dht_answer
-from trahiv.engine.optimizer import WHOLE_STATE_WAIT, newest_served
+from trahiv.engine.optimizer import WHOLE_STATE_WAIT, newest_served, serve_while_late
 from trahiv.engine.traffic import total_traffic
 from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
 
@@ -1032,27 +1032,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         downloads the result, `_adopt_after_a_missed_sync`), for at most a round's timeout. Leaving at once, the last
         peers of a run stopped serving as the peer that missed their last sync came to download it: it took that
         outer step with its own pseudo-gradient and ended apart from them (a clean-clone run, 2026-11-28)."""
-        opt = self.config.opt
-        deadline = time.monotonic() + opt.averaging_timeout + opt.matchmaking_time
-        waited = False
-        while time.monotonic() < deadline:
-            try:
-                others = self._others().values()
-            except Exception as e:  # (the DHT shut down under it): nothing to serve any more
-                logger.debug(f"Stopped serving late peers: {e!r}")
-                return
-            late = [r.peer for r in others if r.outer_step == self.outer_step - 1 and r.at_sync_point]
-            if not late:
-                break
-            if not waited:
-                logger.info(
-                    f"Training ended at outer step {self.outer_step}: serving its outer state to the peers still at "
-                    f"their last sync ({', '.join(late)})"
-                )
-                waited = True
-            time.sleep(POLL_PERIOD)
-        if waited:
-            logger.info(f"Stopped serving the outer state of outer step {self.outer_step}")
+        opt, outer_step = self.config.opt, self.outer_step
+
+        def late() -> list[str]:
+            others = self._others().values()
+            return [r.peer for r in others if r.outer_step == outer_step - 1 and r.at_sync_point]
+
+        serve_while_late(
+            late,
+            opt.averaging_timeout + opt.matchmaking_time,
+            lambda peers: (
+                f"Training ended at outer step {outer_step}: serving its outer state to the peers still at "
+                f"their last sync ({', '.join(peers)})"
+            ),
+            f"Stopped serving the outer state of outer step {outer_step}",
+            poll=POLL_PERIOD,
+        )
 
     def shutdown(self) -> None:
         self._stop.set()

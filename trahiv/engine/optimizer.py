@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,7 @@ __all__ = [
     "newest_served_step",
     "stop_tracker_quietly",
     "request_timeout",
+    "serve_while_late",
     "tracker_opts",
 ]
 
@@ -432,6 +433,33 @@ class SwarmProgressTracker(ProgressTracker):
         self.ignored_records = dropped
         self.unconfirmed_epoch = max(dropped.values(), default=0)
         return trusted
+
+
+def serve_while_late(
+    late: Callable[[], Sequence[Any]],
+    seconds: float,
+    announce: Callable[[Sequence[Any]], str],
+    stopped: str,
+    poll: float = LATE_PEERS_POLL,
+) -> None:
+    """A peer whose training ended waits (serving its state meanwhile) while `late()` names peers still behind it, for
+    at most `seconds`; `announce(peers)` and `stopped` are logged when it waited. If `late()` raises (the DHT shut
+    down under it), there is nothing to serve any more."""
+    deadline, waited = time.monotonic() + seconds, False
+    while time.monotonic() < deadline:
+        try:
+            peers = late()
+        except Exception as e:
+            logger.debug(f"Stopped serving late peers: {e!r}")
+            return
+        if not peers:
+            break
+        if not waited:
+            logger.info(announce(peers))
+            waited = True
+        time.sleep(poll)
+    if waited:
+        logger.info(stopped)
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -925,30 +953,24 @@ class SwarmOptimizer(hivemind.Optimizer):
         the result once it sees the swarm past its step (`_missed_the_round`). Leaving at once, the last peers of a
         run stopped serving as the peer left out of their last round came to download it: with nobody to download
         from, it took the step with its own gradients and ended apart from them (tests/test_ring.py's toy ring beside
-        a busy core, runs CZ and DP). The synchronous mode's DiLoCoOptimizer.serve_late_peers."""
+        a busy core, run DP). As DiLoCoOptimizer.serve_late_peers does for DiLoCo (`serve_while_late`)."""
         if self.auxiliary or not self.tracker.has_other_peers:
             return
-        deadline = time.monotonic() + self.averaging_timeout + self.matchmaking_time
-        own, waited = self.dht.peer_id.to_bytes(), False
-        while time.monotonic() < deadline:
-            try:
-                self.tracker.refresh_now()
-                records = self.tracker.active_peers.values()  # (less the peers gone: they no longer answer pings)
-                late = [r.peer_id for r in records if r.peer_id != own and r.epoch == self.local_epoch - 1]
-            except Exception as e:  # (the DHT shut down under it): nothing to serve any more
-                logger.debug(f"Stopped serving late peers: {e!r}")
-                return
-            if not late:
-                break
-            if not waited:
-                logger.info(
-                    f"Training ended at step {self.local_epoch}: serving its state to {len(late)} peer(s) still at "
-                    "the step before"
-                )
-                waited = True
-            time.sleep(LATE_PEERS_POLL)
-        if waited:
-            logger.info(f"Stopped serving the state of step {self.local_epoch}")
+        own, step = self.dht.peer_id.to_bytes(), self.local_epoch
+
+        def late() -> list[bytes]:
+            self.tracker.refresh_now()
+            records = self.tracker.active_peers.values()  # (less the peers gone: they no longer answer pings)
+            return [r.peer_id for r in records if r.peer_id != own and r.epoch == step - 1]
+
+        serve_while_late(
+            late,
+            self.averaging_timeout + self.matchmaking_time,
+            lambda peers: (
+                f"Training ended at step {step}: serving its state to {len(peers)} peer(s) still at the step before"
+            ),
+            f"Stopped serving the state of step {step}",
+        )
 
     def shutdown(self) -> None:
         """hivemind's, once this peer's last round, still running in the background (`delay_grad_averaging`), has
