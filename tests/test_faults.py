@@ -217,6 +217,21 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
         assert resumed.records("begin")[0]["digest"] == last["digest"], "resumed with other weights than b's last"
 
 
+def frozen_pair(tmp: Path, workdir: Path, run_id: str, *, max_steps: int, at_step: int, seconds: float) -> tuple:
+    """Two toy peers (gradients +1 and +3: a step taken apart shows, averaging_timeout 6 s); b is frozen for `seconds`
+    as step `at_step` begins. (a, b, a's final record, b's final record)."""
+    boot = start_bootstrap(tmp)
+    common = dict(workdir=str(workdir), run_id=run_id, target=8, max_steps=max_steps, batch_size=4, sleep_per_step=0.1,
+                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 6.0})  # fmt: skip
+    stall = {"kind": "stall", "at_step": at_step, "seconds": seconds}
+    try:
+        a = start_peer(tmp, "a", toy_grad=1.0, **common)
+        b = start_peer(tmp, "b", toy_grad=3.0, faults=[stall], **common)
+        return a, b, a.finish(), b.finish()
+    finally:
+        boot.stop()
+
+
 def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir):
     """A peer frozen at step 3 (a fault at a named step, tests/peer_spec.py) while the other trains on: when it wakes
     it does not replay the steps it missed; it downloads the swarm's state and holds the same parameters as the other
@@ -224,15 +239,7 @@ def test_a_peer_that_stalls_is_back_in_step_from_its_next_step(tmp_path, workdir
 
     The frozen peer had already joined the step-3 group (hivemind pre-schedules matchmaking), so the other peer waits
     for it up to `averaging_timeout` (6 s here) before it steps with its own gradients."""
-    boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="stall", target=8, max_steps=9, batch_size=4, sleep_per_step=0.1,
-                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 6.0})  # fmt: skip
-    try:
-        a = start_peer(tmp_path, "a", toy_grad=1.0, **common)
-        b = start_peer(tmp_path, "b", toy_grad=3.0, faults=[{"kind": "stall", "at_step": 3, "seconds": 15.0}], **common)
-        done_a, done_b = a.finish(), b.finish()
-    finally:
-        boot.stop()
+    a, b, done_a, done_b = frozen_pair(tmp_path, workdir, "stall", max_steps=9, at_step=3, seconds=15.0)
     assert done_a["global_step"] == done_b["global_step"] == 9
     rows = b.records()
     fault = next(i for i, row in enumerate(rows) if row["kind"] == "fault")
@@ -250,15 +257,7 @@ def test_a_peer_frozen_in_the_last_step_ends_with_the_swarms_weights(tmp_path, w
     state until the frozen peer has downloaded it (`SwarmOptimizer.serve_late_peers`, at most averaging_timeout +
     matchmaking_time: 8 s), so both end with the same parameters. Leaving at once, it left the frozen peer nobody to
     download from: that peer took the last step with its own gradients (toy gradients +1, +3: a step apart shows)."""
-    boot = start_bootstrap(tmp_path)
-    common = dict(workdir=str(workdir), run_id="late_end", target=8, max_steps=3, batch_size=4, sleep_per_step=0.1,
-                  initial_peers=boot.initial_peers, opt={"min_peers": 2, "averaging_timeout": 6.0})  # fmt: skip
-    try:
-        a = start_peer(tmp_path, "a", toy_grad=1.0, **common)
-        b = start_peer(tmp_path, "b", toy_grad=3.0, faults=[{"kind": "stall", "at_step": 2, "seconds": 11.0}], **common)
-        done_a, done_b = a.finish(), b.finish()
-    finally:
-        boot.stop()
+    a, b, done_a, done_b = frozen_pair(tmp_path, workdir, "late_end", max_steps=3, at_step=2, seconds=11.0)
     assert done_a["global_step"] == done_b["global_step"] == 3
     fault = next(row for row in b.records() if row["kind"] == "fault")
     assert fault["step"] == 2, fault
