@@ -279,6 +279,12 @@ def test_the_helper_builds_from_the_schema_most_trainers_published():
     records = {"peer1": honest, "peer2": honest, "peer3": forged, "peer4": model_fingerprint(model.named_parameters())}
     assert agreed_schema(records) == (honest["schema"], ["peer1", "peer2"])
     assert agreed_schema({"peer4": records["peer4"]}) is None
+    # trainers of another wire protocol (an older trahiv: no version in its records) share no group with this peer
+    older = {key: value for key, value in honest.items() if key != "protocol"}
+    newer = {**forged, "protocol": honest["protocol"] + 1}
+    assert _is_fingerprint(older) and _is_fingerprint(newer) and not _is_fingerprint({**honest, "protocol": "1"})
+    votes = {"peer1": older, "peer2": older, "peer3": newer, "peer4": newer, "peer5": honest}
+    assert agreed_schema(votes) == (honest["schema"], ["peer5"])
 
 
 def test_the_helper_gives_up_a_round_the_trainers_finished_without_it():

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import transformers
 from swarm_helpers import start_peer
 
-from trahiv import Trainer, TrainingArguments
+from trahiv import Trainer, TrainingArguments, protocol
 from trahiv.demo import BlockDataset
 from trahiv.swarm import SwarmJoinError
 
@@ -39,12 +42,14 @@ def test_unreachable_initial_peer_fails_in_bounded_time(tmp_path, workdir):
     assert time.monotonic() - began < 60
 
 
-def test_model_with_other_shapes_is_refused(tmp_path, workdir):
+@contextlib.contextmanager
+def running_peer(tmp_path, workdir, run_id: str) -> Iterator[tuple[Any, list[str]]]:
+    """A peer of swarm `run_id` training (slowly) in its own process: (the peer, the initial_peers it printed)."""
     peer = start_peer(
         tmp_path,
         "a",
         workdir=str(workdir),
-        run_id="shapes",
+        run_id=run_id,
         target=10_000,
         max_steps=50,
         batch_size=4,
@@ -53,12 +58,31 @@ def test_model_with_other_shapes_is_refused(tmp_path, workdir):
     try:
         peer.ready()
         address = [line for line in peer.log().splitlines() if "To join the training" in line][0]
-        initial_peers = eval(address.split("initial_peers = ")[1])  # the list the peer printed
+        yield peer, eval(address.split("initial_peers = ")[1])  # the list the peer printed
+    finally:
+        peer.process.kill()
+
+
+def test_model_with_other_shapes_is_refused(tmp_path, workdir):
+    with running_peer(tmp_path, workdir, "shapes") as (peer, initial_peers):
         config = transformers.AutoConfig.from_pretrained(workdir / "model")
         config.n_embd = 64  # same architecture, other shapes
         other = transformers.GPT2LMHeadModel(config)
         with pytest.raises(ValueError, match="does not match the one swarm 'shapes' trains"):
             make_trainer(tmp_path, workdir, initial_peers, model=other, run_id="shapes")
         assert peer.process.poll() is None, "the running peer must not be affected"
-    finally:
-        peer.process.kill()
+
+
+def test_a_peer_of_another_wire_protocol_is_refused(tmp_path, workdir, monkeypatch):
+    """A trahiv whose rounds cannot average with the swarm's (trahiv.protocol.WIRE_PROTOCOL) says so and does not
+    train: it would share no group with the running peer, yet count in its steps."""
+    with running_peer(tmp_path, workdir, "wire") as (peer, initial_peers):
+        monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)  # this process: a newer trahiv
+        ours, theirs = protocol.WIRE_PROTOCOL, protocol.WIRE_PROTOCOL - 1
+        expected = (
+            f"swarm 'wire' runs an older trahiv than this peer: peer .* speaks trahiv's wire protocol {theirs}, "
+            f"this peer protocol {ours}"
+        )
+        with pytest.raises(ValueError, match=expected):
+            make_trainer(tmp_path, workdir, initial_peers, run_id="wire")
+        assert peer.process.poll() is None, "the running peer must not be affected"

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "WIRE_PROTOCOL",
     "Contribution",
     "expected_in_round",
     "fills_shortfall",
@@ -27,6 +28,14 @@ __all__ = [
     "tensors_digest",
     "trusted_epoch",
 ]
+
+# The version of what trahiv peers send each other in a round, bumped whenever a round of this trahiv could not
+# average with one of the version before: 1 = gradient rounds return the aggregate itself (not hivemind's difference
+# from the sender's values), robust reducers, the ring all-reduce. Peers of different versions (and plain hivemind
+# peers) never share a group: it is folded into every trahiv averager's schema hash, which hivemind's leaders compare
+# with each join request's (trahiv.engine.averagers.VersionedSchema); a peer that finds the swarm's peers on another
+# version refuses to start (trahiv.swarm.Swarm.check_model, from the version in their model records).
+WIRE_PROTOCOL = 1
 
 DIGEST_VALUES = 1 << 22  # values a digest of tensors hashes at most (every k-th one beyond: about 16 MB)
 

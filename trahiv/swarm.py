@@ -16,7 +16,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from trahiv import connectivity
+from trahiv import connectivity, protocol
 from trahiv.auth import AuthGate, PeerAuth
 from trahiv.compression import make_compression
 from trahiv.config import DHTConfig, HivemindConfig
@@ -149,7 +149,12 @@ def model_fingerprint(
         if param.requires_grad:
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
             count, numel = count + 1, numel + param.numel()
-    fingerprint: dict[str, Any] = {"digest": digest.hexdigest()[:32], "tensors": count, "parameters": numel}
+    fingerprint: dict[str, Any] = {
+        "digest": digest.hexdigest()[:32],
+        "tensors": count,
+        "parameters": numel,
+        "protocol": protocol.WIRE_PROTOCOL,  # (records without it come from a trahiv before the version was announced)
+    }
     if swarm_tensors is not None:
         fingerprint["schema"] = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in swarm_tensors]
         fingerprint["weights"] = tensors_digest(swarm_tensors)  # the values this peer starts from (Swarm.catch_up)
@@ -157,7 +162,7 @@ def model_fingerprint(
 
 
 SCHEMA_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # what trainable tensors can be
-FINGERPRINT_KEYS = frozenset({"digest", "tensors", "parameters", "schema", "ready", "ready_at", "weights"})
+FINGERPRINT_KEYS = frozenset({"digest", "tensors", "parameters", "schema", "ready", "ready_at", "weights", "protocol"})
 
 
 def _is_fingerprint(value: Any) -> bool:
@@ -170,6 +175,8 @@ def _is_fingerprint(value: Any) -> bool:
         and isinstance(value["digest"], str)
         and len(value["digest"]) == 32
         and all(type(value[k]) is int and value[k] >= 0 for k in ("tensors", "parameters"))
+        and type(value.get("protocol", 0)) is int
+        and value.get("protocol", 0) >= 0
         and ("schema" not in value or _is_schema(value["schema"], value["tensors"], value["parameters"]))
     )
 
@@ -189,6 +196,22 @@ def _is_schema(schema: Any, tensors: int, parameters: int) -> bool:
             return False
         total += math.prod(shape)
     return total == parameters
+
+
+def record_protocol(record: dict[str, Any]) -> int:
+    """The wire protocol a model record announces (0: a trahiv from before the version was announced)."""
+    return int(record.get("protocol", 0))
+
+
+def protocol_mismatch(run_id: str, peer: str, theirs: int, ours: int) -> str:
+    """The message for a peer that speaks wire protocol `ours` and found `peer` of swarm `run_id` speaking `theirs`."""
+    older = "an older" if theirs < ours else "a newer"
+    speaks = f"trahiv's wire protocol {theirs}" if theirs else "a wire protocol from before trahiv numbered them"
+    return (
+        f"swarm {run_id!r} runs {older} trahiv than this peer: peer {peer} speaks {speaks}, this peer protocol {ours}, "
+        "and their averaging rounds cannot be mixed (this peer would never share a group with it). Install the trahiv "
+        "version the swarm runs on every peer, or use another run_id."
+    )
 
 
 def model_records(dht: hivemind.DHT, run_id: str) -> dict[str, dict[str, Any]]:
@@ -258,9 +281,15 @@ class Swarm:
     # --- the model every peer must share ----------------------------------------------------------------------
 
     def check_model(self, fingerprint: dict[str, Any]) -> None:
-        """Refuse to train if peers of this run already train a model with other trainable tensors."""
-        for peer, theirs in self._model_records().items():
-            if peer != self.peer_id and theirs["digest"] != fingerprint["digest"]:
+        """Refuse to train if peers of this run already train a model with other trainable tensors, or speak another
+        version of trahiv's wire protocol (their rounds and this peer's could not average together)."""
+        records = {peer: theirs for peer, theirs in self._model_records().items() if peer != self.peer_id}
+        ours = record_protocol(fingerprint)
+        for peer, theirs in records.items():
+            if record_protocol(theirs) != ours:
+                raise ValueError(protocol_mismatch(self.run_id, peer, record_protocol(theirs), ours))
+        for peer, theirs in records.items():
+            if theirs["digest"] != fingerprint["digest"]:
                 raise ValueError(
                     f"this peer's model does not match the one swarm {self.run_id!r} trains: here "
                     f"{fingerprint['tensors']} trainable tensors / {fingerprint['parameters']:,} parameters "

@@ -69,12 +69,16 @@ def check_config(config: HivemindConfig) -> None:
 
 def agreed_schema(records: dict[str, dict[str, Any]]) -> tuple[list[list[Any]], list[str]] | None:
     """The tensor schema most trainers published with their model fingerprint, and the peers that published it
-    (None before any trainer published one). A schema is [[dtype, shape], ...] in the optimizer's order."""
+    (None before any trainer published one). A schema is [[dtype, shape], ...] in the optimizer's order. Only
+    trainers that speak this trahiv's wire protocol count: this peer can share a group with no other."""
+    from trahiv.protocol import WIRE_PROTOCOL
+    from trahiv.swarm import record_protocol
+
     votes: Counter[str] = Counter()
     by_key: dict[str, tuple[list[list[Any]], list[str]]] = {}
     for peer, fingerprint in sorted(records.items()):
         schema = fingerprint.get("schema")
-        if schema is None:
+        if schema is None or record_protocol(fingerprint) != WIRE_PROTOCOL:
             continue
         key = repr((fingerprint["digest"], schema))
         votes[key] += 1

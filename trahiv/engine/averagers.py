@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import logging
 import math
 import multiprocessing as mp
@@ -48,6 +49,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from trahiv import protocol
 from trahiv.averaging.partial import Deadlines, RoundReport, compressed_sizes
 from trahiv.averaging.robust import (
     MEAN,
@@ -89,7 +91,9 @@ __all__ = [
     "RobustGradientAverager",
     "RobustPowerSGDGradientAverager",
     "RobustTrainingStateAverager",
+    "VersionedSchema",
     "epoch_group_bits",
+    "versioned_schema_hash",
     "first_download",
 ]
 
@@ -99,7 +103,33 @@ def epoch_group_bits(epoch: int) -> str:
     return format(epoch % 2**EPOCH_KEY_BITS, f"0{EPOCH_KEY_BITS}b")
 
 
-class EpochKeyedMatchmaking(DecentralizedAverager):
+def versioned_schema_hash(schema_hash: bytes, version: int) -> bytes:
+    """hivemind's schema hash (the tensors' shapes and dtypes) with trahiv's wire protocol `version` folded in, of the
+    same length."""
+    salt = f"trahiv wire protocol {version}".encode()
+    return hashlib.blake2b(schema_hash, digest_size=len(schema_hash), key=salt).digest()
+
+
+class VersionedSchema(DecentralizedAverager):
+    """Every trahiv averager's schema hash carries trahiv's wire protocol (`trahiv.protocol.WIRE_PROTOCOL`). hivemind's
+    leader refuses a join request whose schema hash differs from its own (BAD_SCHEMA_HASH), and a follower asks the
+    next leader: peers of different versions, and plain hivemind peers (whose rounds return a difference where
+    trahiv's return the aggregate), never share a group, where before they averaged together and each side misread
+    the other's results. hivemind computes the hash in the averager's `__init__`, before the averager process starts,
+    so the version is the one in force where the averager is built."""
+
+    _versioned_schema_hash: bytes
+
+    @property  # type: ignore[override]
+    def schema_hash(self) -> bytes:
+        return self._versioned_schema_hash
+
+    @schema_hash.setter
+    def schema_hash(self, schema_hash: bytes) -> None:
+        self._versioned_schema_hash = versioned_schema_hash(schema_hash, protocol.WIRE_PROTOCOL)
+
+
+class EpochKeyedMatchmaking(VersionedSchema):
     """Rounds for different collaborative steps never meet: hivemind 1.1.12 matches every peer that looks for a group
     under one key, so a peer still at step k could join a group of peers already at step k+1 and average its step-k
     gradients into theirs (seen with transformers' run_clm.py and 2 peers: weights differed by 6e-3 after 8 steps).
@@ -387,7 +417,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
         return GradientAverager._get_handle_name(namespace, method_name)
 
 
-class CheckedStateDownload(DecentralizedAverager):
+class CheckedStateDownload(VersionedSchema):
     """A state download (`load_state_from_peers`) that checks what each peer served before anyone loads it, and asks
     the next peer (by priority) when a state fails the checks: one broken or malicious peer cannot hand out NaN
     weights or a model of another shape. Subclasses say what to expect in `_expected_state_shapes`."""
@@ -865,7 +895,7 @@ def _writable(connection: Any) -> bool:
     return bool(poller.poll(0))
 
 
-class RobustAverager(DecentralizedAverager):
+class RobustAverager(VersionedSchema):
     """hivemind's DecentralizedAverager with trahiv's robust all-reduce (every peer weighs `weight`)."""
 
     aggregation: Aggregation
@@ -939,7 +969,7 @@ class AuxiliaryStateAverager(ReportingMixin, RobustAuxiliaryStateAverager):
         super().__init__(*args, aggregation=aggregation, **kwargs)
 
 
-class _RobustPowerSGD(PowerSGDGradientAverager):
+class _RobustPowerSGD(VersionedSchema, PowerSGDGradientAverager):
     aggregation: Aggregation
     progress_key: str | None
     target_batch_size: int | None

@@ -107,6 +107,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.averager:DecentralizedAverager", "state_sharing_priority", "attribute", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "allow_state_sharing", "attribute", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_outer_pipe", "instance", None),
+    # trahiv.engine.averagers.VersionedSchema: the hash hivemind assigns in __init__ and hands to its Matchmaking
+    Internal("hivemind.averaging.averager:DecentralizedAverager", "schema_hash", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_running_groups", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_matchmaking", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_p2p", "instance", None),

@@ -1,0 +1,114 @@
+"""trahiv's wire protocol keeps peers that cannot average together out of each other's groups
+(trahiv.protocol.WIRE_PROTOCOL, trahiv.engine.averagers.VersionedSchema): a plain hivemind averager and trahiv
+averagers of the same tensors under the same name, each in its own process on loopback, all stepping at once. trahiv's
+rounds return the aggregate where hivemind's return a difference, so a group of both would leave each side with values
+the other did not mean. A peer that finds the swarm on another version refuses to start with one message
+(test_join_errors.py)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging.averager import DecentralizedAverager, compute_schema_hash
+from swarm_helpers import step_together
+
+from trahiv import engine, protocol
+from trahiv.engine import averagers as trahiv_averagers
+from trahiv.engine.averagers import ReportingAverager, versioned_schema_hash
+
+engine.apply()
+
+PLAIN_VALUE = 100.0  # the plain hivemind averager's values; the two trahiv averagers hold 0 and 2
+
+
+def test_the_schema_hash_carries_the_wire_protocol(monkeypatch):
+    tensors = [torch.zeros(4), torch.zeros(2, 3)]
+    hiveminds = compute_schema_hash(tensors)
+    ours = ReportingAverager(tensors, dht=None, prefix="schema", client_mode=True, start=False).schema_hash
+    assert ours == versioned_schema_hash(hiveminds, protocol.WIRE_PROTOCOL)
+    assert len(ours) == len(hiveminds) and ours != hiveminds
+    assert (
+        ReportingAverager(
+            [torch.ones(4), torch.ones(2, 3)], dht=None, prefix="schema", client_mode=True, start=False
+        ).schema_hash
+        == ours
+    )
+    monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
+    assert ReportingAverager(tensors, dht=None, prefix="schema", client_mode=True, start=False).schema_hash not in (
+        ours,
+        hiveminds,
+    )
+
+
+def test_every_trahiv_averager_carries_it():
+    import inspect
+
+    from trahiv.auxiliary.diloco import DiLoCoMirror
+    from trahiv.engine import averagers, diloco, exact, state
+
+    classes = {
+        cls
+        for module in (averagers, diloco, exact, state)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__.startswith("trahiv.") and issubclass(cls, DecentralizedAverager)
+    } | {DiLoCoMirror}
+    classes.discard(trahiv_averagers.OverlappedAccumulation)  # (a mixin of RobustGradientAverager, never built alone)
+    assert len(classes) >= 10, classes
+    assert all(issubclass(cls, trahiv_averagers.VersionedSchema) for cls in classes), classes
+
+
+def mixed_round(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """One round of a plain hivemind averager (values PLAIN_VALUE) and two trahiv averagers (0 and 2), same name and
+    shapes: (each step's result or exception, each averager's values after it)."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts += [hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()) for _ in "ab"]
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    common = dict(prefix="wire", min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0, start=True)
+    averagers = [
+        DecentralizedAverager([torch.full((4,), PLAIN_VALUE)], dht=dhts[0], **common),
+        ReportingAverager([torch.zeros(4)], dht=dhts[1], **common),
+        ReportingAverager([torch.full((4,), 2.0)], dht=dhts[2], **common),
+    ]
+    for averager in averagers:
+        stack.callback(averager.shutdown)
+    results, _ = step_together(averagers, [8.0, 8.0, 8.0], join_s=30)
+    values = []
+    for averager in averagers:
+        with averager.get_tensors() as tensors:
+            values.append(tensors[0].clone())
+    return results, values
+
+
+def test_trahiv_averagers_never_share_a_group_with_a_plain_hivemind_one():
+    with ExitStack() as stack:
+        results, values = mixed_round(stack)
+    plain, *ours = results
+    assert isinstance(plain, Exception), results  # it found no group: every trahiv leader refused it
+    assert torch.equal(values[0], torch.full((4,), PLAIN_VALUE)), values
+    assert all(isinstance(result, dict) and len(result) == 2 for result in ours), results  # the two trahiv ones
+    assert all(torch.equal(value, torch.ones(4)) for value in values[1:]), values  # their mean, nothing of 100
+
+
+def test_with_hiveminds_schema_hash_they_meet(monkeypatch):
+    """The control: trahiv's averagers with hivemind's own schema hash, the same round. (By hand: all three in one
+    group, every averager at 34, the mean of 100, 0 and 2.)"""
+    monkeypatch.setattr(trahiv_averagers, "versioned_schema_hash", lambda schema_hash, version: schema_hash)
+    with ExitStack() as stack:
+        results, values = mixed_round(stack)
+    assert isinstance(results[0], dict) and len(results[0]) >= 2, results  # the plain one averaged with trahiv's
+    assert not torch.equal(values[0], torch.full((4,), PLAIN_VALUE)), values
+
+
+@pytest.mark.parametrize("theirs", [0, protocol.WIRE_PROTOCOL + 1], ids=["unnumbered", "newer"])
+def test_the_message_names_the_versions(theirs):
+    from trahiv.swarm import protocol_mismatch
+
+    message = protocol_mismatch("run", "QmPeer", theirs, protocol.WIRE_PROTOCOL)
+    assert ("an older trahiv" if theirs < protocol.WIRE_PROTOCOL else "a newer trahiv") in message
+    assert "peer QmPeer" in message and f"this peer protocol {protocol.WIRE_PROTOCOL}" in message
+    assert ("from before trahiv numbered them" in message) == (theirs == 0)
