@@ -78,15 +78,13 @@ async def try_averaging(
     except Exception as e:
         result["join"] = f"error: {e!r}"[:200]
     before_each()
-    for _attempt in range(2):  # a second try after a transport error (a broken pipe was seen once on a loaded machine)
-        try:
-            part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"x" * 20)
-            stub = _stub(p2p, target, f"{run_id}_grad_averager", "GradientAverager", "rpc_aggregate_part", part)
-            message = await asyncio.wait_for(anext(await stub), 10)
-            result["aggregate"] = code_name(message.code)
-            break
-        except Exception as e:
-            result["aggregate"] = f"error: {e!r}"[:200]
+    try:  # (one try: a refusal is read to the sender's end before the handler returns, trahiv.engine.fixes)
+        part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"x" * 20)
+        stub = _stub(p2p, target, f"{run_id}_grad_averager", "GradientAverager", "rpc_aggregate_part", part)
+        message = await asyncio.wait_for(anext(await stub), 10)
+        result["aggregate"] = code_name(message.code)
+    except Exception as e:
+        result["aggregate"] = f"error: {e!r}"[:200]
     before_each()
     try:
         stream = await _stub(

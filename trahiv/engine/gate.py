@@ -15,6 +15,8 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
+from trahiv.engine.fixes import until_the_sender_ends
+
 if TYPE_CHECKING:
     from trahiv.auth.gate import AuthGate
 
@@ -52,6 +54,7 @@ class _Gated:
             except (TimeoutError, StopAsyncIteration):
                 pass
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            await until_the_sender_ends(stream)  # (or the refusal may be lost with the stream: see there)
             return
         async for message in super().rpc_aggregate_part(stream, context):  # type: ignore[misc]
             yield message
