@@ -6,7 +6,7 @@ scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check trahiv tests benchmarks
 .venv/bin/ruff format --check trahiv tests benchmarks
-.venv/bin/codespell trahiv tests benchmarks README.md
+.venv/bin/codespell trahiv tests benchmarks README.md docs/history.md
 # mypy runs beside pytest and gates the command as well: from a clean checkout (no cache) it takes ~80 s of one core,
 # which before pytest added those 80 s to the command
 mypy_log=$(mktemp)
