@@ -20,6 +20,7 @@ __all__ = [
     "own_share_done",
     "peer_tiebreak",
     "ready_peers",
+    "record_protocol",
     "share_done",
     "share_of_target",
     "silent_too_long",
@@ -36,6 +37,12 @@ __all__ = [
 # with each join request's (trahiv.engine.averagers.VersionedSchema); a peer that finds the swarm's peers on another
 # version refuses to start (trahiv.swarm.Swarm.check_model, from the version in their model records).
 WIRE_PROTOCOL = 1
+
+
+def record_protocol(record: dict) -> int:
+    """The wire protocol a peer's model record announces (0: a trahiv from before the version was announced)."""
+    return int(record.get("protocol", 0))
+
 
 DIGEST_VALUES = 1 << 22  # values a digest of tensors hashes at most (every k-th one beyond: about 16 MB)
 

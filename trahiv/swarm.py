@@ -36,7 +36,7 @@ from trahiv.engine.watch import attach_silence_watch, skip_state_rounds_that_can
 from trahiv.errors import NOT_CONNECTED, debug_enabled, join_error_message
 from trahiv.lifecycle import Lifecycle, join_swarm
 from trahiv.metrics import MetricsPublisher, MetricsRecord
-from trahiv.protocol import ready_peers, tensors_digest
+from trahiv.protocol import ready_peers, record_protocol, tensors_digest
 from trahiv.revert import RevertFollower, RevertWatcher
 
 logger = logging.getLogger("trahiv.swarm")
@@ -196,11 +196,6 @@ def _is_schema(schema: Any, tensors: int, parameters: int) -> bool:
             return False
         total += math.prod(shape)
     return total == parameters
-
-
-def record_protocol(record: dict[str, Any]) -> int:
-    """The wire protocol a model record announces (0: a trahiv from before the version was announced)."""
-    return int(record.get("protocol", 0))
 
 
 def protocol_mismatch(run_id: str, peer: str, theirs: int, ours: int) -> str:

@@ -71,8 +71,7 @@ def agreed_schema(records: dict[str, dict[str, Any]]) -> tuple[list[list[Any]], 
     """The tensor schema most trainers published with their model fingerprint, and the peers that published it
     (None before any trainer published one). A schema is [[dtype, shape], ...] in the optimizer's order. Only
     trainers that speak this trahiv's wire protocol count: this peer can share a group with no other."""
-    from trahiv.protocol import WIRE_PROTOCOL
-    from trahiv.swarm import record_protocol
+    from trahiv.protocol import WIRE_PROTOCOL, record_protocol
 
     votes: Counter[str] = Counter()
     by_key: dict[str, tuple[list[list[Any]], list[str]]] = {}

@@ -93,8 +93,8 @@ __all__ = [
     "RobustTrainingStateAverager",
     "VersionedSchema",
     "epoch_group_bits",
-    "versioned_schema_hash",
     "first_download",
+    "versioned_schema_hash",
 ]
 
 

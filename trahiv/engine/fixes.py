@@ -93,7 +93,7 @@ logger = logging.getLogger("trahiv.averaging")
 HIVEMIND_VERSION = "1.1.12"
 EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
 MATCHMAKING_LOOKUP_PERIOD = 0.1  # seconds between the starts of two DHT lookups of one averager's group key (fix 7)
-REFUSAL_DRAIN_S = 2.0  # seconds a refused sender's stream is read for its end before the handler returns (fix 11)
+REFUSAL_DRAIN_S = 2.0  # seconds a refusing handler may read a sender's stream to its end and wait for its close
 FOUND_GROUP_POLL = 0.1  # seconds between looks at a found group's step while a part for it waits (fix 11)
 LED_GROUPS_KEPT = 4  # the groups an averager assembled last, as leader, that a member asking again can be sent (fix 12)
 # the group bits of the round whose averaging step runs in this context: its search looks under them alone, whatever
