@@ -160,6 +160,13 @@ def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_pa
             return done if all(r is not None and r["bytes_sent"] == sent[r["peer_id"]] for r in done) else None
 
         rows = wait_for(final_rows, 30, "the peers' last DiLoCo records in the aux peer's store")
+
+        def outer_steps() -> list[dict] | None:  # the loss curve: one step per outer step, both peers' inner samples
+            steps = store.steps()
+            whole = [s for s in steps if s["samples"] == 2 * INNER_STEPS * common["batch_size"]]
+            return steps if len(whole) == 3 else None
+
+        steps = wait_for(outer_steps, 30, "a metrics step per outer step in the aux peer's store")
         saved = list_checkpoints(out / "checkpoints")
     finally:
         for peer in peers:
@@ -168,6 +175,8 @@ def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_pa
     log = (tmp_path / "aux.log").read_text()
     assert aux.returncode == 0, log[-3000:]
     assert store.meta().get("mode") == "diloco"
+    assert [(s["step"], s["active_peers"]) for s in steps] == [(1, 2), (2, 2), (3, 2)], steps
+    assert all(s["loss"] is not None and 0 < s["loss"] < 20 for s in steps), steps
     for row, done in zip(rows, dones, strict=True):
         assert row["outer_step"] == done["outer_step"] == 3, (row, done)
         assert row["bytes_sent"] > 0 and row["bytes_received"] == done["metrics"]["averaging_bytes_received"], row

@@ -1078,6 +1078,7 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
+        self._recorded_outer_step = 0  # the outer step of this peer's last metrics record
 
     @property
     def diloco(self) -> DiLoCoOptimizer:
@@ -1095,17 +1096,23 @@ class DiLoCoFlowCallback(DefaultFlowCallback):
             opt.join()
             opt.sync_if_due()
         self._follow(state, schedule=True)
+        self._recorded_outer_step = opt.outer_step  # (a joiner's or a resumed peer's first record: its next sync)
+        swarm.count_record_samples_from(opt.samples_total)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
         trainer.local_steps_since_log += 1  # the Trainer's loss average counts local steps (see Trainer)
         trainer.local_steps_total += 1
+        trainer.local_steps_since_record += 1
         self._follow(state)
         trainer.swarm.publish_model()
         control = super().on_step_end(args, state, control, **kwargs)
         if control.should_save or control.should_training_stop:  # [overlap] a checkpoint, or the model at the end,
             self.diloco.finish_pending_sync()  # holds the outer step of the sync in flight (model and state agree)
+        if self.diloco.outer_step > self._recorded_outer_step:  # a sync ended: a metrics record (the aux peer's loss
+            self._recorded_outer_step = self.diloco.outer_step  # curve, per outer step)
+            trainer.publish_metrics()
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

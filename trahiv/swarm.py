@@ -459,19 +459,33 @@ class Swarm:
 
     def publish_metrics(self, loss: float | None) -> MetricsRecord | None:
         """Publish this peer's record for the collaborative step it just reached (in the background); `loss` is the
-        mean over its local steps since the previous record."""
-        if self.metrics_publisher is None or self.optimizer is None:
+        mean over its local steps since the previous record. [DiLoCo] A record per outer step: its step is the outer
+        step reached, its samples those of the inner steps since the previous record."""
+        if self.metrics_publisher is None:
             return None
-        opt, samples = self.optimizer, self.optimizer.samples_contributed
+        if self.diloco is not None:
+            diloco = self.diloco
+            step, samples = diloco.outer_step, diloco.samples_total
+            rate = diloco.steps_per_second * diloco.batch_size_per_step
+        elif self.optimizer is not None:
+            step, samples = self.optimizer.local_epoch, self.optimizer.samples_contributed
+            rate = self.optimizer.tracker.performance_ema.samples_per_second
+        else:
+            return None
         step_samples, self._samples_at_last_record = samples - self._samples_at_last_record, samples
         return self.metrics_publisher.publish(
-            step=opt.local_epoch,
+            step=step,
             loss=loss,
             step_samples=step_samples,
             samples=samples,
-            samples_per_second=opt.tracker.performance_ema.samples_per_second,
+            samples_per_second=rate,
             seconds=time.monotonic() - self.started_at,
         )
+
+    def count_record_samples_from(self, samples: int) -> None:
+        """The next metrics record counts the samples contributed after `samples` (a resumed DiLoCo peer restores its
+        total from the checkpoint: its first record would have counted them all as one outer step's)."""
+        self._samples_at_last_record = samples
 
     def metrics(self) -> dict[str, float]:
         if self.diloco is not None:  # [DiLoCo] outer step, rounds, bytes
