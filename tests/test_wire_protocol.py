@@ -25,23 +25,19 @@ engine.apply()
 PLAIN_VALUE = 100.0  # the plain hivemind averager's values; the two trahiv averagers hold 0 and 2
 
 
+def schema_hash_of(tensors: list[torch.Tensor]) -> bytes:
+    """The schema hash a trahiv averager of `tensors` is built with (not started)."""
+    return ReportingAverager(tensors, dht=None, prefix="schema", client_mode=True, start=False).schema_hash
+
+
 def test_the_schema_hash_carries_the_wire_protocol(monkeypatch):
     tensors = [torch.zeros(4), torch.zeros(2, 3)]
-    hiveminds = compute_schema_hash(tensors)
-    ours = ReportingAverager(tensors, dht=None, prefix="schema", client_mode=True, start=False).schema_hash
+    hiveminds, ours = compute_schema_hash(tensors), schema_hash_of(tensors)
     assert ours == versioned_schema_hash(hiveminds, protocol.WIRE_PROTOCOL)
     assert len(ours) == len(hiveminds) and ours != hiveminds
-    assert (
-        ReportingAverager(
-            [torch.ones(4), torch.ones(2, 3)], dht=None, prefix="schema", client_mode=True, start=False
-        ).schema_hash
-        == ours
-    )
+    assert schema_hash_of([torch.ones(4), torch.ones(2, 3)]) == ours  # (shapes and dtypes, not values)
     monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
-    assert ReportingAverager(tensors, dht=None, prefix="schema", client_mode=True, start=False).schema_hash not in (
-        ours,
-        hiveminds,
-    )
+    assert schema_hash_of(tensors) not in (ours, hiveminds)
 
 
 def test_every_trahiv_averager_carries_it():
