@@ -26,6 +26,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm_helpers import Peer, start_bootstrap, start_peer
 
 from trahiv.averaging.robust import WEIGHT_SLACK
+from trahiv.protocol import progress_key, progress_prefix
 
 pytestmark = pytest.mark.swarm
 
@@ -115,7 +116,7 @@ def forge_progress_record(initial_peers: list[str], run_id: str) -> None:
         initial_peers=initial_peers,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         nat_port_map=False,
-        record_validators=[SchemaValidator(TrainingProgressSchema, prefix=run_id), validator],
+        record_validators=[SchemaValidator(TrainingProgressSchema, prefix=progress_prefix(run_id)), validator],
         start=True,
     )
     try:
@@ -128,7 +129,7 @@ def forge_progress_record(initial_peers: list[str], run_id: str) -> None:
             client_mode=False,
         )
         stored = dht.store(
-            f"{run_id}_progress",
+            progress_key(run_id),
             subkey=validator.local_public_key,
             value=record.dict(),
             expiration_time=get_dht_time() + 300,

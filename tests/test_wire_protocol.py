@@ -108,3 +108,42 @@ def test_the_message_names_the_versions(theirs):
     assert ("an older trahiv" if theirs < protocol.WIRE_PROTOCOL else "a newer trahiv") in message
     assert "peer QmPeer" in message and f"this peer protocol {protocol.WIRE_PROTOCOL}" in message
     assert ("from before trahiv numbered them" in message) == (theirs == 0)
+
+
+@pytest.mark.swarm
+def test_a_plain_hivemind_peers_samples_count_in_no_step(tmp_path, workdir):
+    """A plain hivemind.Optimizer under the same run_id (its progress tracker, in this process) claims the whole target
+    of step 0 while a trahiv peer (its own process) trains: the trahiv peer's step 0 takes its own 16 samples, and the
+    peer says once that such a peer is there. (Control, by hand: with trahiv's progress records under hivemind's key,
+    `progress_prefix` returning the run_id, the trahiv peer counted the plain peer's record and stepped after its
+    first batch: {0: 4, 1: 16}.)"""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from swarm_helpers import samples_per_epoch, start_bootstrap, start_peer, wait_for
+
+    boot = start_bootstrap(tmp_path)
+    with ExitStack() as stack:
+        stack.callback(boot.stop)
+        dht = hivemind.DHT(initial_peers=boot.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                           start=True)  # fmt: skip
+        stack.callback(dht.shutdown)
+        plain = ProgressTracker(dht, prefix="mixed", target_batch_size=16, start=True)
+        stack.callback(plain.shutdown)
+        plain.report_local_progress(0, 16)
+        wait_for(lambda: dht.get("mixed_progress", latest=True), 30, "the plain peer's progress record")
+        peer = start_peer(tmp_path, "a", workdir=str(workdir), run_id="mixed", initial_peers=boot.initial_peers,
+                          target=16, max_steps=2, batch_size=4)  # fmt: skip
+        stack.callback(peer.process.kill)
+        peer.finish()
+    assert samples_per_epoch([peer]) == {0: 16, 1: 16}
+    warning = "1 peer trains under run_id 'mixed' with plain hivemind (progress records under mixed_progress, e.g. "
+    assert peer.log().count(warning + str(dht.peer_id)) == 1, peer.log()[-3000:]
+
+
+def test_progress_records_live_under_a_key_of_their_version(monkeypatch):
+    from trahiv.auxiliary import diloco as aux_diloco
+
+    keys = {protocol.progress_key("run"), protocol.progress_key("run", diloco=True)}
+    assert keys == {f"run_wire{protocol.WIRE_PROTOCOL}_progress", f"run_wire{protocol.WIRE_PROTOCOL}_diloco_progress"}
+    assert aux_diloco.progress_key("run") == protocol.progress_key("run", diloco=True)  # what the aux peer reads
+    monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
+    assert not keys & {protocol.progress_key("run"), protocol.progress_key("run", diloco=True)}

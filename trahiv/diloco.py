@@ -70,6 +70,7 @@ from trahiv.engine.gate import gated
 from trahiv.engine.liveness import dht_answer
 from trahiv.engine.optimizer import WHOLE_STATE_WAIT, newest_served, serve_while_late
 from trahiv.engine.traffic import total_traffic
+from trahiv.protocol import progress_key
 from trahiv.protocol import tensors_digest as outer_digest  # peers at one outer step hold the same outer parameters
 
 logger = logging.getLogger("trahiv.diloco")
@@ -138,8 +139,8 @@ def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class PeerProgress:
-    """One peer's DiLoCo progress record (DHT key `{run_id}_diloco_progress`, subkey: the peer's ID). The field names
-    `peer_id`, `samples_accumulated`, `samples_per_second`, `time` are those trahiv's weight caps read."""
+    """One peer's DiLoCo progress record (DHT key `progress_key(run_id, diloco=True)`, subkey: the peer's ID). The
+    field names `peer_id`, `samples_accumulated`, `samples_per_second`, `time` are those trahiv's weight caps read."""
 
     peer: str
     outer_step: int
@@ -298,7 +299,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.reverting: set[str] = set()  # [revert] peers whose records predate the order this peer applied
         self._lock = threading.Lock()  # outer state: the averager's state server reads it from another thread
         self._last_step_at: float | None = None
-        self.progress_key = f"{self.run_id}_diloco_progress"
+        self.progress_key = progress_key(self.run_id, diloco=True)
         self.averagers = [
             self._make_averager([grads[i] for i in indices], fragment)
             for fragment, indices in enumerate(self.fragments)

@@ -20,6 +20,8 @@ __all__ = [
     "own_share_done",
     "peer_tiebreak",
     "ready_peers",
+    "progress_key",
+    "progress_prefix",
     "record_protocol",
     "share_done",
     "share_of_target",
@@ -30,18 +32,34 @@ __all__ = [
     "trusted_epoch",
 ]
 
-# The version of what trahiv peers send each other in a round, bumped whenever a round of this trahiv could not
-# average with one of the version before: 1 = gradient rounds return the aggregate itself (not hivemind's difference
-# from the sender's values), robust reducers, the ring all-reduce. Peers of different versions (and plain hivemind
-# peers) never share a group: it is folded into every trahiv averager's schema hash, which hivemind's leaders compare
-# with each join request's (trahiv.engine.averagers.VersionedSchema); a peer that finds the swarm's peers on another
-# version refuses to start (trahiv.swarm.Swarm.check_model, from the version in their model records).
-WIRE_PROTOCOL = 1
+# The version of what trahiv peers tell each other, bumped whenever a peer of this trahiv could not train with one of
+# the version before: 1 = gradient rounds return the aggregate itself (not hivemind's difference from the sender's
+# values), robust reducers, the ring all-reduce; 2 = progress records under a key of their version
+# (`progress_prefix`). Peers of different versions (and plain hivemind peers) never share a group: it is folded into
+# every trahiv averager's schema hash, which hivemind's leaders compare with each join request's
+# (trahiv.engine.averagers.VersionedSchema); they never count each other's samples (`progress_prefix`); a peer that
+# finds the swarm's peers on another version refuses to start (trahiv.swarm.Swarm.check_model, from the version in
+# their model records).
+WIRE_PROTOCOL = 2
 
 
 def record_protocol(record: dict) -> int:
     """The wire protocol a peer's model record announces (0: a trahiv from before the version was announced)."""
     return int(record.get("protocol", 0))
+
+
+def progress_prefix(run_id: str) -> str:
+    """The prefix of a swarm's progress records, one per wire protocol: hivemind's tracker keeps them under
+    `{prefix}_progress` (its schema validator forbids any field of its own, so the version cannot travel inside a
+    record), DiLoCo's under `{prefix}_diloco_progress`. Each step's target counts the samples of the records a peer
+    reads, so a peer of another protocol (a plain hivemind peer under `{run_id}_progress`, a trahiv of another
+    version), whose samples are in none of this swarm's rounds, must be in none of its views either."""
+    return f"{run_id}_wire{WIRE_PROTOCOL}"
+
+
+def progress_key(run_id: str, *, diloco: bool = False) -> str:
+    """The DHT key of the progress records of this wire protocol's peers (`progress_prefix`)."""
+    return f"{progress_prefix(run_id)}_{'diloco_' if diloco else ''}progress"
 
 
 DIGEST_VALUES = 1 << 22  # values a digest of tensors hashes at most (every k-th one beyond: about 16 MB)

@@ -14,6 +14,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from trahiv import connectivity, protocol
@@ -209,6 +210,31 @@ def protocol_mismatch(run_id: str, peer: str, theirs: int, ours: int) -> str:
     )
 
 
+def hivemind_progress_peers(dht: hivemind.DHT, run_id: str) -> set[str]:
+    """Peers with a progress record under plain hivemind's key for `run_id` (`{run_id}_progress`; trahiv's peers keep
+    theirs under `trahiv.protocol.progress_prefix`): hivemind.Optimizers training under this run_id."""
+    found = dht.get(f"{run_id}_progress", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    peers = set()
+    for entry in entries.values():
+        value: Any = getattr(entry, "value", None)
+        try:
+            peers.add(PeerID(value["peer_id"]).to_base58())
+        except Exception:  # (not a record: nothing to say about it)
+            continue
+    return peers
+
+
+def hivemind_peers_warning(run_id: str, peers: set[str]) -> str:
+    count = f"{len(peers)} peer trains" if len(peers) == 1 else f"{len(peers)} peers train"
+    return (
+        f"{count} under run_id {run_id!r} with plain hivemind (progress records under {run_id}_progress, e.g. "
+        f"{min(peers)}): they share no averaging round with trahiv's peers, and their samples count in none of this "
+        "swarm's steps; this peer trains with the trahiv peers of this run only. Use another run_id to keep the two "
+        "runs apart."
+    )
+
+
 def model_records(dht: hivemind.DHT, run_id: str) -> dict[str, dict[str, Any]]:
     """Well-formed model fingerprints announced for run `run_id`, by peer (malformed records are ignored)."""
     found = dht.get(f"{run_id}_model", latest=True)
@@ -283,6 +309,9 @@ class Swarm:
         for peer, theirs in records.items():
             if record_protocol(theirs) != ours:
                 raise ValueError(protocol_mismatch(self.run_id, peer, record_protocol(theirs), ours))
+        # a warning, not a refusal: anyone can write such a record, and the trahiv peers train on unaffected
+        if plain := hivemind_progress_peers(self.dht, self.run_id) - {self.peer_id}:
+            logger.warning(hivemind_peers_warning(self.run_id, plain))
         for peer, theirs in records.items():
             if theirs["digest"] != fingerprint["digest"]:
                 raise ValueError(

@@ -2,10 +2,10 @@
 parameters.
 
 - The swarm runs DiLoCo if the aux peer's config has a `diloco` section (the trainers' hivemind_config), or as soon as
-  peers publish DiLoCo progress records (`{run_id}_diloco_progress`): `DiLoCoMonitor` (started by every AuxPeer) reads
-  them every `period` seconds and keeps, per peer, its outer step, inner steps done, samples/s and cumulative
-  `averaging_bytes_sent` / `averaging_bytes_received` in the MetricsStore (`diloco_peers()`; the dashboard's
-  `/api/diloco`), and sets the store's metadata `mode` to `diloco`.
+  peers publish DiLoCo progress records (`trahiv.protocol.progress_key(run_id, diloco=True)`): `DiLoCoMonitor`
+  (started by every AuxPeer) reads them every `period` seconds and keeps, per peer, its outer step, inner steps done,
+  samples/s and cumulative `averaging_bytes_sent` / `averaging_bytes_received` in the MetricsStore (`diloco_peers()`;
+  the dashboard's `/api/diloco`), and sets the store's metadata `mode` to `diloco`.
 - `DiLoCoStateKeeper` replaces the state keeper (`trahiv aux --model ...`) in DiLoCo mode: trainers' checkpoints hold
   their own half-way inner parameters, so it saves the swarm's *outer* state instead, downloaded from a trainer's
   DiLoCo averager the way a joiner does (`{run_id}_diloco` prefix: outer parameters + outer momenta at one outer step,
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trahiv import engine
+from trahiv import engine, protocol
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
     latest_checkpoint,
@@ -71,7 +71,7 @@ def is_diloco_state(state: SwarmState) -> bool:
 
 
 def progress_key(run_id: str) -> str:
-    return f"{run_id}_diloco_progress"
+    return protocol.progress_key(run_id, diloco=True)
 
 
 def _count(value: Any) -> int:

@@ -179,6 +179,7 @@ class AveragingHelper:
         from trahiv import engine
         from trahiv.compression import make_compression
         from trahiv.engine.optimizer import SwarmProgressTracker, grad_averager_factory, tracker_opts
+        from trahiv.protocol import progress_prefix
 
         assert self.config is not None
         opt = self.config.opt
@@ -222,7 +223,7 @@ class AveragingHelper:
             try:
                 tracker = SwarmProgressTracker(
                     dht=self._dht,
-                    prefix=opt.run_id,
+                    prefix=progress_prefix(opt.run_id),
                     target_batch_size=opt.target_batch_size,
                     client_mode=False,
                     start=True,

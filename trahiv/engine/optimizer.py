@@ -54,6 +54,8 @@ from trahiv.protocol import (
     missed_round,
     own_share_done,
     peer_tiebreak,
+    progress_key,
+    progress_prefix,
     share_of_target,
     silent_too_long,
     state_priority,
@@ -549,7 +551,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return SwarmProgressTracker(
             dht=self.dht,
-            prefix=self.run_id,
+            prefix=progress_prefix(self.run_id),
             target_batch_size=target_batch_size,
             client_mode=self.client_mode,
             status_loglevel=self.status_loglevel,
@@ -1039,14 +1041,14 @@ def grad_averager_factory(
     (`allow_state_sharing=False`): nobody downloads it (RobustGradientAverager.load_state_from_peers), and hivemind's
     averager re-announced it in the DHT at every change of its priority: 5 stores a step with 16 peers, each sent to
     every other node (benchmarks/swarm_cost.py)."""
-    progress_key = f"{opt.run_id}_progress"  # weights are clamped to the samples each peer reported there
+    records = progress_key(opt.run_id)  # weights are clamped to the samples each peer reported there
     target = opt.target_batch_size  # ... at most this (x WEIGHT_SLACK) for peers already past the round's step
     if opt.power_sgd_rank is not None:  # low-rank factors with error feedback, robust mean (config checks)
         return partial(
             gated(RobustPowerSGDGradientAverager, gate),
             averager_rank=opt.power_sgd_rank,
             request_timeout=request_timeout(opt),
-            progress_key=progress_key,
+            progress_key=records,
             target_batch_size=target,
             deadlines=Deadlines(),
             allow_state_sharing=False,
@@ -1056,7 +1058,7 @@ def grad_averager_factory(
         request_timeout=request_timeout(opt),
         allow_state_sharing=False,
         aggregation=Aggregation(**opt.aggregation.model_dump()),
-        progress_key=progress_key,
+        progress_key=records,
         target_batch_size=target,
     )
     if issubclass(cls, ReportingMixin):  # partial rounds reported, payload-based deadlines
