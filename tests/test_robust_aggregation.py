@@ -12,9 +12,11 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
+from trahiv import protocol
 from trahiv.averaging import Aggregation, centered_clip
 from trahiv.averaging.robust import (
     all_finite,
+    optimizer_state_mismatch,
     rejection_reason,
     reported_sample_caps,
     state_rejection_reason,
@@ -216,17 +218,44 @@ def test_a_part_with_any_nan_or_inf_is_rejected_and_huge_finite_values_are_not(d
 def test_state_rejection_reason():
     good = [torch.zeros(2, 3), torch.ones(4), torch.tensor([1, 2])]
     shapes = [(2, 3), (4,), (2,)]
-    assert state_rejection_reason({"epoch": 3}, good, shapes) is None
-    assert state_rejection_reason({"epoch": 3}, good, None) is None
+    meta = {"epoch": 3, "protocol": protocol.WIRE_PROTOCOL}
+    assert state_rejection_reason(meta, good, shapes) is None
+    assert state_rejection_reason(meta, good, None) is None
     nan = [good[0], torch.tensor([1.0, float("nan"), 0.0, 0.0]), good[2]]
-    assert state_rejection_reason({"epoch": 3}, nan, shapes) == "tensor 1 holds non-finite values"
-    assert state_rejection_reason({"epoch": 3}, good[:2], shapes) == "2 tensors where this model has 3"
-    assert state_rejection_reason({"epoch": 3}, [torch.zeros(3, 2), *good[1:]], shapes) == (
+    assert state_rejection_reason(meta, nan, shapes) == "tensor 1 holds non-finite values"
+    assert state_rejection_reason(meta, good[:2], shapes) == "2 tensors where this model has 3"
+    assert state_rejection_reason(meta, [torch.zeros(3, 2), *good[1:]], shapes) == (
         "tensor 0 has shape (3, 2), expected (2, 3)"
     )
-    assert state_rejection_reason({"epoch": -1}, good, shapes) == "epoch -1 is not a non-negative integer"
-    assert state_rejection_reason({"epoch": True}, good, shapes) == "epoch True is not a non-negative integer"
+    assert state_rejection_reason({**meta, "epoch": -1}, good, shapes) == "epoch -1 is not a non-negative integer"
+    assert state_rejection_reason({**meta, "epoch": True}, good, shapes) == "epoch True is not a non-negative integer"
     assert state_rejection_reason([1, 2], good, shapes) == "metadata is a list, not a dict"
+    assert state_rejection_reason({"epoch": 3}, good, shapes).startswith(
+        "it carries no wire protocol (a plain hivemind"
+    )
+    other = {**meta, "protocol": protocol.WIRE_PROTOCOL + 1}
+    assert state_rejection_reason(other, good, shapes) == (
+        f"it is of wire protocol {protocol.WIRE_PROTOCOL + 1}, this peer's is {protocol.WIRE_PROTOCOL} (another trahiv "
+        "version)"
+    )
+
+
+def test_optimizer_state_mismatch():
+    ours = ["value", "tensor", "tensor", "value"]
+    served = [{"type": "value", "value": 0.1}, {"type": "tensor", "index": 1}, {"type": "tensor", "index": 0},
+              {"type": "value", "value": None}]  # fmt: skip
+    assert optimizer_state_mismatch(ours, served, 2) is None
+    assert optimizer_state_mismatch(ours, None, 2) == "it has no optimizer state"
+    assert optimizer_state_mismatch(ours, served[:3], 2) == (
+        "its optimizer state has 2 tensors and 1 values, this peer's optimizer 2 and 2 (another optimizer, or other "
+        "optimizer settings)"
+    )
+    assert optimizer_state_mismatch(ours, [*served, {"type": "value", "value": 1}], 2) is not None  # one leaf more
+    assert optimizer_state_mismatch(ours, served, 1) == "its optimizer state refers to tensor 1 of 1"
+    assert optimizer_state_mismatch(ours, [served[0], {"type": "tensor", "index": "0"}, *served[2:]], 2) is not None
+    assert optimizer_state_mismatch(ours, [{"type": "value"}, *served[1:]], 2) == (
+        "its optimizer state has a value without one"
+    )
 
 
 def test_a_peer_past_the_rounds_step_is_capped_by_the_target_not_its_new_record():

@@ -147,3 +147,39 @@ def test_progress_records_live_under_a_key_of_their_version(monkeypatch):
     assert aux_diloco.progress_key("run") == protocol.progress_key("run", diloco=True)  # what the aux peer reads
     monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
     assert not keys & {protocol.progress_key("run"), protocol.progress_key("run", diloco=True)}
+
+
+@pytest.mark.swarm
+def test_a_plain_hivemind_peers_state_is_not_loaded(tmp_path, workdir):
+    """A plain hivemind.Optimizer under the same run_id (in this process) serves its state at step 5, in the layout
+    trahiv's trainers use (one 4-value parameter, SGD): a trahiv peer that joins (its own process) rejects it, names
+    the reason once, and starts from its own weights at step 0. Before, the state passed trahiv's checks and
+    hivemind's load of its optimizer state (10 leaves where trahiv's SGD has 11) raised; hivemind's Optimizer retried
+    at once, for good: 2,836 tracebacks in 28 s before the peer trained on. Control, by hand, with the wire protocol
+    check switched off: the optimizer-layout check rejects it ("its optimizer state has 0 tensors and 10 values, this
+    peer's optimizer 0 and 11"), once, and no load fails."""
+    from swarm_helpers import start_bootstrap, start_peer, wait_for
+
+    boot = start_bootstrap(tmp_path)
+    with ExitStack() as stack:
+        stack.callback(boot.stop)
+        dht = hivemind.DHT(initial_peers=boot.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                           start=True)  # fmt: skip
+        stack.callback(dht.shutdown)
+        weights = torch.nn.Parameter(torch.full((4,), 7.0))
+        plain = hivemind.Optimizer(dht=dht, run_id="plainstate", params=[weights], target_batch_size=16,
+                                   optimizer=lambda params: torch.optim.SGD(params, lr=1.0), batch_size_per_step=4,
+                                   verbose=False)  # fmt: skip
+        stack.callback(plain.shutdown)
+        plain.state_averager.local_epoch = 5
+        plain.state_averager.state_sharing_priority = 5
+        wait_for(lambda: dht.get("plainstate_state_averager.all_averagers", latest=True), 30, "the plain peer's state")
+        peer = start_peer(tmp_path, "a", workdir=str(workdir), run_id="plainstate", initial_peers=boot.initial_peers,
+                          toy_grad=1.0,
+                          target=16, max_steps=1, batch_size=4)  # fmt: skip
+        stack.callback(peer.process.kill)
+        ready = peer.ready()
+        peer.finish()
+    assert ready["start_step"] == 0, peer.log()[-3000:]
+    rejected = f"Rejected the state served by peer {dht.peer_id}: it carries no wire protocol"
+    assert peer.log().count(rejected) == 1 and "Failed to load state" not in peer.log(), peer.log()[-3000:]

@@ -46,6 +46,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.nested import nested_flatten
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
@@ -55,6 +56,7 @@ from trahiv.averaging.robust import (
     MEAN,
     WEIGHT_SLACK,
     Aggregation,
+    optimizer_state_mismatch,
     reported_sample_caps,
     state_rejection_reason,
 )
@@ -127,6 +129,17 @@ class VersionedSchema(DecentralizedAverager):
     @schema_hash.setter
     def schema_hash(self, schema_hash: bytes) -> None:
         self._versioned_schema_hash = versioned_schema_hash(schema_hash, protocol.WIRE_PROTOCOL)
+
+    async def _get_current_state_from_host_process(self) -> Any:
+        """The state this averager serves (`rpc_download_state`), its metadata stamped with the wire protocol: a
+        downloader refuses a state without its own (`trahiv.averaging.robust.state_rejection_reason`). hivemind's host
+        thread serializes the metadata (`_background_thread_fetch_current_state`), so it is stamped here, once for every
+        trahiv averager whatever its `get_current_state`."""
+        metadata, tensors, infos = await super()._get_current_state_from_host_process()
+        loaded = self.serializer.loads(metadata)
+        if isinstance(loaded, dict):
+            metadata = self.serializer.dumps({**loaded, "protocol": protocol.WIRE_PROTOCOL})
+        return metadata, tensors, infos
 
 
 class EpochKeyedMatchmaking(VersionedSchema):
@@ -425,10 +438,13 @@ class CheckedStateDownload(VersionedSchema):
     def _expected_state_shapes(self) -> list[tuple] | None:
         return None  # no expectation on shapes: only the generic checks
 
+    def state_rejection(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why a downloaded state must not be loaded into this averager (None: it may be)."""
+        return state_rejection_reason(metadata, tensors, self._expected_state_shapes())
+
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         if not wait:
             raise ValueError("trahiv's checked state download is synchronous: call it with wait=True")
-        expected = self._expected_state_shapes()
         rejected: list[str] = []
         for _ in range(MAX_STATE_SOURCES):
             future: MPFuture = MPFuture()
@@ -437,7 +453,7 @@ class CheckedStateDownload(VersionedSchema):
             if loaded is None:
                 return None
             metadata, tensors, peer = loaded
-            reason = state_rejection_reason(metadata, tensors, expected)
+            reason = self.state_rejection(metadata, tensors)
             if reason is None:
                 return metadata, tensors
             logger.warning(f"Rejected the state served by peer {peer}: {reason}")
@@ -613,6 +629,18 @@ class RobustTrainingStateAverager(EpochKeyedMatchmaking, TrainingStateAverager, 
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             _, optimizer_tensors = dump_optimizer_state(self.optimizer)
             return [tuple(t.shape) for t in (*params, *self.extra_tensors, *optimizer_tensors)]
+
+    def state_rejection(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Also: the served optimizer state must fit this peer's optimizer, leaf for leaf (hivemind loads it by
+        packing the served leaves into this optimizer's state_dict)."""
+        reason = super().state_rejection(metadata, tensors)
+        if reason is not None:
+            return reason
+        with self.lock_averaged_tensors:  # (the kinds as dump_optimizer_state tells them, without copying tensors)
+            ours = ["tensor" if isinstance(leaf, torch.Tensor) else "value" for leaf in
+                    nested_flatten(self.optimizer.state_dict())]  # fmt: skip
+        optimizer_tensors = len(tensors) - len(self.main_parameters) - len(self.extra_tensors)
+        return optimizer_state_mismatch(ours, metadata.get("optimizer_metadata"), optimizer_tensors)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:

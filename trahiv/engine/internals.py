@@ -66,6 +66,9 @@ INTERNALS: tuple[Internal, ...] = (
         "(self) -> 'Tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]'",
     ),
     Internal(
+        "hivemind.averaging.averager:DecentralizedAverager", "_get_current_state_from_host_process", "method", "(self)"
+    ),
+    Internal(
         "hivemind.averaging.averager:DecentralizedAverager",
         "rpc_join_group",
         "method",
@@ -224,6 +227,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "finished_averaging_round", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "lock_averaged_tensors", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "extra_tensors", "instance", None),
+    Internal("hivemind.optim.state_averager:TrainingStateAverager", "main_parameters", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "reuse_tensors", "instance", None),
     Internal("hivemind.optim.state_averager:TrainingStateAverager", "offload_optimizer", "instance", None),
     Internal(

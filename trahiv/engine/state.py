@@ -20,7 +20,6 @@ from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
-from trahiv.averaging.robust import state_rejection_reason
 from trahiv.engine import fixes
 from trahiv.engine.averagers import CheckedStateDownload
 
@@ -88,12 +87,12 @@ def download_state(
     what: str,
     attempts: int = 4,
 ) -> tuple[dict, list[torch.Tensor]] | None:
-    """A state served by a peer that `accept(peer_id, declared_priority)`, checked: the generic checks (shapes against
-    this optimizer's, finite values), then `check(metadata, tensors, num_parameters)` (a reason to refuse, or None),
-    then that it holds optimizer state. Up to `attempts` refused states, each from another peer."""
+    """A state served by a peer that `accept(peer_id, declared_priority)`, checked: the averager's checks (its wire
+    protocol, shapes against this optimizer's, finite values, an optimizer state that fits this optimizer: its
+    `state_rejection`), then `check(metadata, tensors, num_parameters)` (a reason to refuse, or None). Up to
+    `attempts` refused states, each from another peer."""
     averager = opt.state_averager
     timeout = min(float(opt.load_state_timeout), 120.0)
-    expected = averager._expected_state_shapes()
     num_parameters = sum(len(group["params"]) for group in averager.optimizer.param_groups)
     skip: set[str] = set()
     for _ in range(attempts):
@@ -117,9 +116,7 @@ def download_state(
         if loaded is None:
             return None
         metadata, tensors, peer = loaded
-        reason = state_rejection_reason(metadata, tensors, expected) or check(metadata, tensors, num_parameters)
-        if reason is None and not isinstance(metadata.get("optimizer_metadata"), list):
-            reason = "it has no optimizer state"
+        reason = averager.state_rejection(metadata, tensors) or check(metadata, tensors, num_parameters)
         if reason is None:
             return metadata, tensors
         logger.warning(f"{what}: rejected the state served by peer {peer}: {reason}")
