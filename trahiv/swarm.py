@@ -139,12 +139,15 @@ def join_addresses(dht: hivemind.DHT) -> list[str]:
 
 
 def model_fingerprint(
-    named_parameters: Iterable[tuple[str, torch.Tensor]], swarm_tensors: Sequence[torch.Tensor] | None = None
+    named_parameters: Iterable[tuple[str, torch.Tensor]],
+    swarm_tensors: Sequence[torch.Tensor] | None = None,
+    optimizer: str | None = None,
 ) -> dict[str, Any]:
     """Names, shapes and dtypes of the trainable tensors: peers must agree on these to average. With `swarm_tensors`
     (the trainable tensors in the order the swarm's optimizer gets them), also their `schema` ([dtype, shape] each):
     an auxiliary peer that helps average builds its averager from it, without the model; and a digest of their values
-    (`weights`): peers that start together and hold the same weights download nothing."""
+    (`weights`): peers that start together and hold the same weights download nothing. With `optimizer` (the class
+    of the optimizer whose state peers exchange: synchronous mode), peers must agree on it too."""
     digest, count, numel = hashlib.sha256(), 0, 0
     for name, param in named_parameters:
         if param.requires_grad:
@@ -156,6 +159,8 @@ def model_fingerprint(
         "parameters": numel,
         "protocol": protocol.WIRE_PROTOCOL,  # (records without it come from a trahiv before the version was announced)
     }
+    if optimizer is not None:
+        fingerprint["optimizer"] = optimizer
     if swarm_tensors is not None:
         fingerprint["schema"] = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in swarm_tensors]
         fingerprint["weights"] = tensors_digest(swarm_tensors)  # the values this peer starts from (Swarm.catch_up)
@@ -163,7 +168,9 @@ def model_fingerprint(
 
 
 SCHEMA_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # what trainable tensors can be
-FINGERPRINT_KEYS = frozenset({"digest", "tensors", "parameters", "schema", "ready", "ready_at", "weights", "protocol"})
+FINGERPRINT_KEYS = frozenset(
+    {"digest", "tensors", "parameters", "schema", "ready", "ready_at", "weights", "protocol", "optimizer"}
+)
 
 
 def _is_fingerprint(value: Any) -> bool:
@@ -172,6 +179,7 @@ def _is_fingerprint(value: Any) -> bool:
         and {"digest", "tensors", "parameters"} <= set(value) <= FINGERPRINT_KEYS
         and type(value.get("ready", False)) is bool
         and (type(value.get("weights", "")) is str and len(value.get("weights", "")) <= 32)
+        and (type(value.get("optimizer", "")) is str and len(value.get("optimizer", "")) <= 200)
         and (type(value.get("ready_at", 0.0)) in (int, float) and math.isfinite(value.get("ready_at", 0.0)))
         and isinstance(value["digest"], str)
         and len(value["digest"]) == 32
@@ -313,6 +321,13 @@ class Swarm:
         if plain := hivemind_progress_peers(self.dht, self.run_id) - {self.peer_id}:
             logger.warning(hivemind_peers_warning(self.run_id, plain))
         for peer, theirs in records.items():
+            if {"optimizer"} <= set(theirs) & set(fingerprint) and theirs["optimizer"] != fingerprint["optimizer"]:
+                raise ValueError(
+                    f"this peer's optimizer ({fingerprint['optimizer']}) is not the one swarm {self.run_id!r} trains "
+                    f"with: peer {peer} uses {theirs['optimizer']}. Peers exchange their optimizer's state (a joiner "
+                    "downloads it, parameter rounds average it), and another optimizer's cannot be loaded. Use the "
+                    "same TrainingArguments(optim=...) (or optimizer_cls_and_kwargs) on every peer, or another run_id."
+                )
             if theirs["digest"] != fingerprint["digest"]:
                 raise ValueError(
                     f"this peer's model does not match the one swarm {self.run_id!r} trains: here "

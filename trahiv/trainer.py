@@ -256,7 +256,11 @@ class Trainer(transformers.Trainer):
         try:
             model: Any = self.model
             tensors = [p for group in self._parameter_groups(model) for p in group["params"]]  # the swarm's order
-            swarm.check_model(model_fingerprint(model.named_parameters(), tensors))
+            optimizer = None  # [DiLoCo] the inner optimizer is each peer's own: its state never travels
+            if config.diloco is None:
+                cls = (self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model))[0]
+                optimizer = f"{cls.__module__}.{cls.__qualname__}"
+            swarm.check_model(model_fingerprint(model.named_parameters(), tensors, optimizer))
         except BaseException:
             swarm.shutdown()
             raise
