@@ -785,6 +785,17 @@ async def until_the_sender_ends(stream: Any) -> None:
             await asyncio.Event().wait()  # until cancelled: the sender closed its end
 
 
+async def until_the_receiver_closes() -> None:
+    """After a handler's last message, for a receiver that closes its end once it has read it (trahiv's state
+    downloader on the empty message that ends a state): wait for that close, which cancels the handler, at most
+    REFUSAL_DRAIN_S. A handler that returns at once lets hivemind's P2P close the stream with its last messages
+    possibly still on their way, which p2pd could then drop (`until_the_sender_ends`; state downloads cut short:
+    trahiv.engine.averagers.VersionedSchema.rpc_download_state)."""
+    import asyncio
+
+    await asyncio.sleep(REFUSAL_DRAIN_S)
+
+
 async def _until_group_begins(averager: Any, group_id: bytes) -> None:
     """Wait until this averager runs group `group_id`, while it may still: a group it found (its step awaits its
     trigger) until that step ends or its deadline passes; an unknown group while the search under way as the part
