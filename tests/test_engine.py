@@ -371,6 +371,41 @@ def test_catching_up_one_step_moves_the_lr_schedule_with_the_step(monkeypatch):
         swarm.shutdown()
 
 
+def test_a_state_whose_load_raises_is_tried_a_bounded_number_of_times(monkeypatch):
+    """hivemind's Optimizer.load_state_from_peers retried a download whose load raised at once and without end (a
+    plain hivemind peer's SGD state: 2,836 tracebacks in 28 s, the peer stuck). trahiv's tries LOAD_ATTEMPTS times,
+    then the peer keeps its own state and trains on. (Control, by hand, hivemind's method: still loading after
+    193,076 tries in 30 s.)"""
+    import threading
+
+    from trahiv.config import HivemindConfig
+    from trahiv.engine.optimizer import LOAD_ATTEMPTS
+    from trahiv.swarm import Swarm
+
+    config = HivemindConfig.model_validate(
+        {"dht": {"nat_port_map": False}, "opt": {"run_id": "load_raises", "target_batch_size": 2}}
+    )
+    swarm = Swarm(config, announce=lambda _: None)
+    try:
+        param = torch.nn.Parameter(torch.full((4,), 3.0))
+        optimizer = swarm.make_optimizer([{"params": [param]}], lambda groups: torch.optim.SGD(groups, lr=1.0), None, 1)
+        tries = []
+
+        def load(**kwargs: Any) -> None:
+            tries.append(kwargs)
+            raise RuntimeError("generator raised StopIteration")  # (what hivemind's load raised)
+
+        monkeypatch.setattr(optimizer.state_averager, "load_state_from_peers", load)
+        call = threading.Thread(target=optimizer.load_state_from_peers, daemon=True)
+        call.start()
+        call.join(30)
+        assert not call.is_alive(), f"still loading after {len(tries)} tries"
+        assert len(tries) == LOAD_ATTEMPTS and torch.equal(param.detach(), torch.full((4,), 3.0))
+        assert optimizer.local_epoch == 0
+    finally:
+        swarm.shutdown()
+
+
 @contextlib.contextmanager
 def lone_peer(
     run_id: str, target: int, batch: int, initial_peers: Sequence[str] = (), **opt: Any

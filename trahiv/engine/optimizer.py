@@ -96,6 +96,7 @@ PROMISE_MAX_S = 1.0  # seconds: the longest batch a peer announces as it begins 
 SETTLED_FETCHES = 2  # progress fetches that show the same records before the swarm's reports count as settled
 DHT_READ_TIMEOUT = 10.0  # seconds: a read of the DHT from a background wait that gets no answer counts as none
 WHOLE_STATE_WAIT = 10.0  # seconds an update under way may take to end before a checkpoint of the state is given up
+LOAD_ATTEMPTS = 3  # state downloads whose load raised, in a row, before a peer keeps its own state (hivemind: no end)
 
 
 def in_group(control: Any) -> bool:
@@ -879,12 +880,54 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         with fixes.changing_state():
-            super().load_state_from_peers(**kwargs)
+            self._load_state_from_peers(**kwargs)
         # hivemind moves a peer one step behind to the swarm's step ("Catching up with collaboration step") without
         # its LR schedule: the next step then ran with the previous step's LR, and the logged LR lagged a step
         self.state_averager._update_scheduler()
         self._declare_state(complete=True)
         self._step_began = get_dht_time()
+
+    def _load_state_from_peers(self, **kwargs: Any) -> None:
+        """hivemind 1.1.12's `Optimizer.load_state_from_peers` (copied from hivemind/optim/optimizer.py), with its
+        retries bounded: hivemind retried a download whose load raised at once and without end. A plain hivemind peer's
+        optimizer state, before trahiv's layout check, raised there at every try: 2,836 tracebacks in 28 s, the peer
+        stuck (hivemind's guard catches the StopIteration of too few leaves, but Python turns it into a RuntimeError
+        inside the generator that packs them). After LOAD_ATTEMPTS in a row the peer keeps its own state, as when no
+        peer serves one."""
+        opt: Any = self  # (hivemind's attributes are untyped)
+        if opt.scheduled_grads is not None and not opt.scheduled_grads.done():
+            opt._tag_along_with_zero_weight(opt.scheduled_grads)
+            opt.scheduled_grads = None
+        opt.state_averager.step(wait_for_delayed_updates=True)
+
+        with opt.tracker.pause_updates():
+            for attempt in range(1, LOAD_ATTEMPTS + 1):
+                try:
+                    opt.state_averager.load_state_from_peers(timeout=opt.load_state_timeout, **kwargs)
+                    if opt.grad_averager is not None:
+                        opt.grad_averager.load_state_from_peers(timeout=opt.load_state_timeout, **kwargs)
+                    break
+                except Exception as e:
+                    last = attempt == LOAD_ATTEMPTS
+                    logger.warning(
+                        f"Loading the swarm's state failed ({e!r}, attempt {attempt} of {LOAD_ATTEMPTS})"
+                        + ("; keeping this peer's own state" if last else ""),
+                        exc_info=last,
+                    )
+
+            if opt.tracker.global_epoch - 1 <= opt.local_epoch < opt.tracker.global_epoch:
+                logger.log(opt.status_loglevel, f"Catching up with collaboration step {opt.tracker.global_epoch}")
+                opt.state_averager.local_epoch = opt.tracker.global_epoch
+
+            opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
+
+            if not opt.client_mode:
+                opt.state_averager.state_sharing_priority = opt.local_epoch
+
+            if opt.use_gradient_averaging:
+                opt.grad_averager.reset_accumulated_grads_()
+                if not opt.client_mode:
+                    opt.grad_averager.state_sharing_priority = opt.local_epoch
 
     def _missed_the_round(self) -> bool:
         """Other peers already moved past this peer's step and this peer is in no group of that step's round: their
