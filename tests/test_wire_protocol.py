@@ -14,7 +14,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager, compute_schema_hash
-from swarm_helpers import step_together
+from swarm_helpers import samples_per_epoch, start_bootstrap, start_peer, step_together, wait_for
 
 from trahiv import engine, protocol
 from trahiv.engine import averagers as trahiv_averagers
@@ -110,6 +110,16 @@ def test_the_message_names_the_versions(theirs):
     assert ("from before trahiv numbered them" in message) == (theirs == 0)
 
 
+def plain_hivemind_dht(stack: ExitStack, tmp_path: Any) -> tuple[Any, Any]:
+    """A bootstrap peer and, in this process, a plain hivemind DHT joined to it (both stopped with `stack`)."""
+    boot = start_bootstrap(tmp_path)
+    stack.callback(boot.stop)
+    dht = hivemind.DHT(initial_peers=boot.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                       start=True)  # fmt: skip
+    stack.callback(dht.shutdown)
+    return boot, dht
+
+
 @pytest.mark.swarm
 def test_a_plain_hivemind_peers_samples_count_in_no_step(tmp_path, workdir):
     """A plain hivemind.Optimizer under the same run_id (its progress tracker, in this process) claims the whole target
@@ -118,14 +128,9 @@ def test_a_plain_hivemind_peers_samples_count_in_no_step(tmp_path, workdir):
     `progress_prefix` returning the run_id, the trahiv peer counted the plain peer's record and stepped after its
     first batch: {0: 4, 1: 16}.)"""
     from hivemind.optim.progress_tracker import ProgressTracker
-    from swarm_helpers import samples_per_epoch, start_bootstrap, start_peer, wait_for
 
-    boot = start_bootstrap(tmp_path)
     with ExitStack() as stack:
-        stack.callback(boot.stop)
-        dht = hivemind.DHT(initial_peers=boot.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                           start=True)  # fmt: skip
-        stack.callback(dht.shutdown)
+        boot, dht = plain_hivemind_dht(stack, tmp_path)
         plain = ProgressTracker(dht, prefix="mixed", target_batch_size=16, start=True)
         stack.callback(plain.shutdown)
         plain.report_local_progress(0, 16)
@@ -155,17 +160,11 @@ def test_a_plain_hivemind_peers_state_is_not_loaded(tmp_path, workdir):
     trahiv's trainers use (one 4-value parameter, SGD): a trahiv peer that joins (its own process) rejects it, names
     the reason once, and starts from its own weights at step 0. Before, the state passed trahiv's checks and
     hivemind's load of its optimizer state (10 leaves where trahiv's SGD has 11) raised; hivemind's Optimizer retried
-    at once, for good: 2,836 tracebacks in 28 s before the peer trained on. Control, by hand, with the wire protocol
-    check switched off: the optimizer-layout check rejects it ("its optimizer state has 0 tensors and 10 values, this
-    peer's optimizer 0 and 11"), once, and no load fails."""
-    from swarm_helpers import start_bootstrap, start_peer, wait_for
-
-    boot = start_bootstrap(tmp_path)
+    at once, for good: 2,836 tracebacks in 28 s before the peer trained on (now 3 tries at most: test_engine.py).
+    Control, by hand, with the wire protocol check switched off: the optimizer-layout check rejects it ("its optimizer
+    state has 0 tensors and 10 values, this peer's optimizer 0 and 11"), once, and no load fails."""
     with ExitStack() as stack:
-        stack.callback(boot.stop)
-        dht = hivemind.DHT(initial_peers=boot.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                           start=True)  # fmt: skip
-        stack.callback(dht.shutdown)
+        boot, dht = plain_hivemind_dht(stack, tmp_path)
         weights = torch.nn.Parameter(torch.full((4,), 7.0))
         plain = hivemind.Optimizer(dht=dht, run_id="plainstate", params=[weights], target_batch_size=16,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=1.0), batch_size_per_step=4,

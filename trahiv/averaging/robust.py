@@ -202,8 +202,9 @@ def optimizer_state_mismatch(ours: Sequence[str], served: Any, served_tensors: i
     """Why a served optimizer state (hivemind's flat form, `dump_optimizer_state`: one entry per leaf of the optimizer's
     state_dict, a tensor or a value) cannot be loaded into this peer's optimizer, whose leaves are of the kinds `ours`
     ("tensor" / "value"); None if it can. hivemind packs the served leaves into this optimizer's structure: with fewer
-    it raised StopIteration, and its Optimizer retried the download at once, for good (2,836 tracebacks in 28 s from a
-    plain hivemind peer's SGD state, tests/test_wire_protocol.py); with more, values landed in the wrong places."""
+    it raised, and its Optimizer retried the download at once, for good (2,836 tracebacks in 28 s from a plain hivemind
+    peer's SGD state, tests/test_wire_protocol.py; trahiv now stops after LOAD_ATTEMPTS); with more, values landed in
+    the wrong places."""
     if not isinstance(served, list) or not all(isinstance(entry, dict) for entry in served):
         return "it has no optimizer state"
     kinds = [entry.get("type") for entry in served]
