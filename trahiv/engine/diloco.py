@@ -13,7 +13,6 @@ from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
 from trahiv.averaging import Aggregation, Deadlines
-from trahiv.averaging.robust import state_rejection_reason
 from trahiv.engine.averagers import (
     CheckedStateDownload,
     EpochKeyedMatchmaking,
@@ -88,7 +87,7 @@ class DiLoCoAverager(ReportingMixin, ExactAverager, EpochKeyedMatchmaking, Check
         if loaded is None:
             return None
         metadata, tensors = loaded
-        reason = state_rejection_reason(metadata, tensors, self._expected_state_shapes())
+        reason = self.state_rejection(metadata, tensors)
         if reason is not None:
             logger.warning(f"Rejected the state served by peer {peer}: {reason}")
             return None
