@@ -68,6 +68,13 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    BAD_GROUP_ID" 0.05 s after the other's search ended). A leader now sends a member of a group it led that asks again
    (same key and schema) that group, while its round of it has not begun or has nothing from that member yet
    (tests/test_matchmaking.py).
+13. A cancelled step whose search goes on: `StepControl.cancel` tells the averager process (its cancel future) before
+   it marks the step cancelled, and the averager, woken by that future, reads the step as not cancelled and awaits its
+   search instead, until that search ends (the step's deadline: up to `averaging_timeout`). Meanwhile it held the
+   search lock, so the next step's search could not begin: a peer that stopped waiting for a round the swarm had
+   finished without it (`SwarmOptimizer._average_gradients_and_load_into_optimizer`) was kept out of the next one
+   too. 2 of 8 cancels in a row on an idle machine (the clean-clone CI of stop 57: a search still under way 10 s
+   after its cancel). The step is now marked cancelled first (tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -122,6 +129,7 @@ def apply() -> None:
     _finish_groups_in_assembly()
     _wait_for_found_groups()
     _send_the_group_to_a_member_asking_again()
+    _cancel_the_step_first()
     _applied = True
 
 
@@ -908,3 +916,27 @@ def _send_the_group_to_a_member_asking_again() -> None:
     rpc_join_group._trahiv_led_groups = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "leader_assemble_group", leader_assemble_group)
     _replace(DecentralizedAverager, "rpc_join_group", rpc_join_group)
+
+
+# 13. A cancelled step whose search goes on --------------------------------------------------------------------------
+
+
+def _cancel_the_step_first() -> None:
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    if getattr(StepControl.cancel, "_trahiv_step_first", False):
+        return
+
+    def cancel(self) -> bool:  # type: ignore[no-untyped-def]
+        # adapted from hivemind.averaging.control.StepControl.cancel (hivemind 1.1.12): the same three acts, the
+        # step's own first (the averager reads it as soon as the cancel future fires)
+        cancelled = MPFuture.cancel(self)
+        if self._trigger is not None:
+            self._trigger.cancel()
+        if self._cancel is not None:
+            self._cancel.set_result(None)
+        return cancelled
+
+    cancel._trahiv_step_first = True  # type: ignore[attr-defined]
+    _replace(StepControl, "cancel", cancel)

@@ -429,6 +429,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.allreduce:AllReduceRunner", "tensor_part_reducer", "instance", None),
     Internal("hivemind.averaging.partition:TensorPartReducer", "num_parts_received", "instance", None),
     Internal("hivemind.averaging.partition:TensorPartReducer", "sender_failed_after", "instance", None),
+    # trahiv.engine.fixes, 13: a cancelled step is marked cancelled before its averager is told
+    Internal("hivemind.averaging.control:StepControl", "cancel", "method", "(self) -> bool"),
+    Internal("hivemind.averaging.control:StepControl", "_trigger", "instance", None),
+    Internal("hivemind.averaging.control:StepControl", "_cancel", "instance", None),
     # trahiv.engine.fixes, 6: a leader that answered a join request late is asked again
     Internal(
         "hivemind.averaging.matchmaking:Matchmaking",
