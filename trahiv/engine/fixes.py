@@ -73,8 +73,9 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    search instead, until that search ends (the step's deadline: up to `averaging_timeout`). Meanwhile it held the
    search lock, so the next step's search could not begin: a peer that stopped waiting for a round the swarm had
    finished without it (`SwarmOptimizer._average_gradients_and_load_into_optimizer`) was kept out of the next one
-   too. 2 of 8 cancels in a row on an idle machine (the clean-clone CI of stop 57: a search still under way 10 s
-   after its cancel). The step is now marked cancelled first (tests/test_engine.py).
+   too (tests/test_ring.py's slowest peer in none of 3 rounds: stops 50 and 54). Searches cancelled in a row in one
+   idle peer: 1 of 12 and 2 of 8 went on (the project's CI of stop 57: one still under way 10 s after its cancel).
+   The step is now marked cancelled first (tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
