@@ -14,6 +14,7 @@ from trahiv.protocol import (
     missed_round,
     own_share_done,
     ready_peers,
+    seconds_to_target,
     share_done,
     share_of_target,
     silent_too_long,
@@ -124,6 +125,24 @@ def test_a_peer_that_stopped_at_its_share_stays_done_while_the_rates_move():
     assert not stopped_at_share(stopped._replace(time=now - 0.40), 2, 8.0, now)
     # a peer that has not computed a batch of this step yet (a slow start, an evaluation) is waited for
     assert not stopped_at_share(Contribution(b"b", 0, 30.0, now - 5.0), 2, 8.0, now)
+
+
+def test_the_time_to_the_target_counts_the_peers_still_computing():
+    """A peer that computed its share joins its round only once the swarm should reach the target within half of
+    matchmaking_time (`SwarmOptimizer._join_round_if_near`): the time is what is missing over the rates of the peers
+    still computing (rates 40, 20 and 10 samples a second, target 140: shares of 80, 40 and 20)."""
+    now = 100.0
+    a, b = Contribution(b"a", 80, 40.0, now), Contribution(b"b", 40, 20.0, now)
+    c = Contribution(b"c", 0, 10.0, now)
+    assert seconds_to_target([a, b, c], 140, 2, now) == pytest.approx(2.0)  # 20 missing at c's 10 a second
+    assert seconds_to_target([a, b, c._replace(samples=16)], 140, 2, now) == pytest.approx(0.4)
+    assert seconds_to_target([a, b._replace(samples=20), c], 140, 2, now) == pytest.approx(40 / 30)  # b computes too
+    assert seconds_to_target([a, b, c._replace(samples=20)], 140, 2, now) == 0.0  # the target is reached
+    # every peer stopped at its share short of the target (c silent for 5 s): nobody computes, the shortfall is filled
+    assert seconds_to_target([a, b, c._replace(samples=10, time=now - 5.0)], 140, 2, now) == 0.0
+    # no rate measured yet (hivemind reports 1e-20): far off, the round is joined as the step ends
+    unmeasured = [p._replace(rate=1e-20) for p in (a, b, c)]
+    assert seconds_to_target(unmeasured, 140, 2, now) > 1e6
 
 
 def test_silence_counts_from_the_start_of_this_peers_step():

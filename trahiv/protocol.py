@@ -23,6 +23,7 @@ __all__ = [
     "progress_prefix",
     "ready_peers",
     "record_protocol",
+    "seconds_to_target",
     "share_done",
     "share_of_target",
     "silent_too_long",
@@ -171,6 +172,19 @@ def stopped_at_share(contribution: Contribution, batch: int, share: float, now: 
     if share_done(c.samples, batch, share, SHARE_SLACK):
         return True
     return c.samples > 0 and c.rate >= MIN_RATE and now - c.time > STOPPED_STEPS * batch / c.rate + STOPPED_MARGIN
+
+
+def seconds_to_target(contributions: Sequence[Contribution], target: int, batch: int, now: float) -> float:
+    """How long the swarm should still need to reach `target` samples, as the records show it: the samples missing
+    over the rates of the peers still computing their shares (`stopped_at_share`); 0 once the target is reached, or
+    nobody computes (the shortfall is then filled: `fills_shortfall`)."""
+    missing = target - sum(c.samples for c in contributions)
+    computing = [
+        c for c in contributions if not stopped_at_share(c, batch, share_of_target(target, c, contributions), now)
+    ]
+    if missing <= 0 or not computing:
+        return 0.0
+    return missing / max(sum(c.rate for c in computing), MIN_RATE)
 
 
 def fills_shortfall(own: bytes, contributions: Sequence[Contribution], target: int, batch: int) -> bool:

@@ -56,6 +56,7 @@ from trahiv.protocol import (
     peer_tiebreak,
     progress_key,
     progress_prefix,
+    seconds_to_target,
     share_of_target,
     silent_too_long,
     state_priority,
@@ -642,7 +643,11 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self._join_round_now()
             return
         logger.debug(f"Step {self.local_epoch}: share {share:.1f} computed ({own.samples} samples; {len(others)} more)")
-        self._join_round_now()
+        # this peer's round is declared for matchmaking_time from when it joins: joined now, a declaration that ran
+        # out while the slowest peer computed its share let the group assemble without that peer (hivemind's "time is
+        # up"), which began its search as its last batch ended, too late: it joins while the rest should take at most
+        # half that time
+        joined = self._join_round_if_near(contributions, batch)
         others_rate = max(sum(c.rate for c in others), 1e-9)
         missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
         held = time.monotonic()
@@ -653,6 +658,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 time.sleep(PROGRESS_RECHECK_PERIOD)
                 tracker.refresh_now()
                 seen = self._contributions()
+                joined = joined or self._join_round_if_near(seen, batch)
                 reported = {c.peer: c.samples for c in seen}
                 # settled: every peer stopped at its share (`stopped_at_share`: the same rule for all, from their
                 # records), the total is still short. A peer still computing its share (one that began later, or
@@ -677,6 +683,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not tracker.ready_to_update_epoch:
             self._hold_released = self.local_epoch
             logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
+
+    def _join_round_if_near(self, contributions: list[Contribution], batch: int) -> bool:
+        """Join this step's round (`_join_round_now`) if the swarm should reach the target within half of
+        matchmaking_time (`seconds_to_target`); whether it did."""
+        left = seconds_to_target(contributions, self.tracker.target_batch_size, batch, get_dht_time())
+        if left > self.matchmaking_time / 2:
+            return False
+        self._join_round_now()
+        return True
 
     def _may_promise(self, own: Contribution, batch: int) -> bool:
         """Whether this peer may announce its next batch as it begins (SwarmProgressTracker.promise): once a step, in
