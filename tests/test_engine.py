@@ -835,8 +835,8 @@ CANCELLED_SEARCHES = 12
 def test_a_step_is_marked_cancelled_before_its_averager_is_told():
     """Fix 13: the averager process, woken by a step's cancel future, reads whether the step was cancelled; hivemind's
     `StepControl.cancel` set that future first, so the averager could read "not cancelled" and go on searching for the
-    step's group until its deadline, holding the search lock the next step needs (12 cancelled searches in a row in
-    the test below: 1 of 12, and 2 of 8, still under way 10 s later without the fix)."""
+    step's group until its deadline, holding the search lock the next step needs (by hand, without the fix: of 12 and
+    of 8 searches cancelled in a row in one peer, 1 and 2 were still under way 60 s later)."""
     from hivemind.averaging.control import StepControl
     from hivemind.utils.mpfuture import MPFuture
 

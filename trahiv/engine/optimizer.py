@@ -643,10 +643,10 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self._join_round_now()
             return
         logger.debug(f"Step {self.local_epoch}: share {share:.1f} computed ({own.samples} samples; {len(others)} more)")
-        # this peer's round is declared for matchmaking_time from when it joins: joined now, a declaration that ran
-        # out while the slowest peer computed its share let the group assemble without that peer (hivemind's "time is
-        # up"), which began its search as its last batch ended, too late: it joins while the rest should take at most
-        # half that time
+        # a round is declared for matchmaking_time from when it is joined: joined as soon as this peer's share was
+        # done, its declaration could run out while the slowest peer computed, and the group then assembled without
+        # that peer (hivemind's "time is up"; test_ring.py's slowest peer missed step 0 so in every run). It joins once
+        # the rest should take at most half of matchmaking_time
         joined = self._join_round_if_near(contributions, batch)
         others_rate = max(sum(c.rate for c in others), 1e-9)
         missing = max(0, tracker.target_batch_size - tracker.global_progress.samples_accumulated)
