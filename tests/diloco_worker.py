@@ -233,6 +233,20 @@ def inject_sync_events(spec: dict) -> None:
         return adopt(self)
 
     DiLoCoOptimizer._adopt_after_a_missed_sync = _adopt_after_a_missed_sync  # type: ignore[method-assign]
+    download, stale = DiLoCoOptimizer._download, [spec.get("stale_download", False)]
+
+    def _download(self, prefer: str | None) -> tuple[dict, list[torch.Tensor]] | None:
+        loaded = download(self, prefer)
+        if stale[0] and self._catching_up and loaded is not None:
+            stale[0], held = False, int(loaded[0]["epoch"])
+            Path(spec["hold_until"]).write_text(json.dumps({"served": held}))
+            deadline = time.monotonic() + 120
+            while not any(r.outer_step > held for r in self._others().values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            Path(spec["out"], "stale_download.json").write_text(json.dumps({"held": held}))
+        return loaded
+
+    DiLoCoOptimizer._download = _download  # type: ignore[method-assign]
     if not spec.get("serve_late", True):
         DiLoCoOptimizer.serve_late_peers = lambda self: None  # type: ignore[method-assign]
 

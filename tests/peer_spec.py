@@ -103,6 +103,10 @@ class DiLoCoPeerSpec(_Common):
     # seconds a peer that missed a sync waits before downloading the swarm's result (a slow CPU); False: a peer whose
     # training ended leaves at once (the behaviour before DiLoCoOptimizer.serve_late_peers, as a control)
     adopt_delay: float = Field(0.0, ge=0)
+    # the first download of a peer that missed a sync (or diverged) writes `hold_until` (the others, held at
+    # `hold_sync_at`, then take their outer step) and ends only once another peer's record is past the outer step it
+    # got (120 s at most): the state was served before that peer took its next outer step
+    stale_download: bool = False
     serve_late: bool = True
     # allreduce.jsonl: one line per all-reduce, the norm of what this peer sent and of the aggregate it got back
     record_allreduce: bool = False

@@ -368,17 +368,27 @@ def test_lora_only_adapters_travel(tmp_path, workdir):
 def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
     """Two LoRA peers whose start-up download failed keep their own random adapters: their records' digests differ at
     the first sync point, and the peer not holding the swarm's outer state (a tie: the earliest-started peer's) drops
-    its pseudo-gradient and downloads it. From then on they average together, and end identical."""
+    its pseudo-gradient and downloads it. From then on they average together, and end identical.
+
+    That download is served before the other peer, syncing alone meanwhile, takes its outer step (held at its sync
+    until then), and ends after (`stale_download`: held until the other's record is past it). The peer downloads again
+    rather than train its next H inner steps on the outer step the swarm has left, and then miss the next sync (seen in
+    two clean-clone runs, the natural race: a peer that never averaged nor synced alone)."""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_apart", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 3, "max_steps": 12, "lr": 1e-2, "lora": True, "save_final": True,
-              "download_at_start": False, "opt": {"min_peers": 2}}  # fmt: skip
+              "download_at_start": False, "stale_download": True, "hold_sync_at": 0,
+              "hold_until": str(tmp_path / "served.json"), "opt": {"min_peers": 2}}  # fmt: skip
     peers = [start_diloco_peer(tmp_path, name, **common) for name in ("a", "b")]
     dones = finish_all(boot, peers)
     records = [syncs(peer) for peer in peers]
     assert records[0][0]["outer_sha256"] != records[1][0]["outer_sha256"]  # they did start apart
     assert sorted(done["syncs"]["diverged"] for done in dones) == [0, 1], dones
+    stale = [json.loads((peer.out / "stale_download.json").read_text()) for peer in peers if
+             (peer.out / "stale_download.json").exists()]  # fmt: skip
+    assert stale == [{"held": 0}], stale  # the diverged peer's download was held past the other's outer step
     for done in dones:
+        assert done["syncs"]["missed"] == 0, done  # (loading the stale outer step, it missed the next sync)
         assert done["global_step"] == 12 and done["outer_step"] == 4, done
         # (how many syncs the two then average together depends on how long the download took: the other peer, at
         # its sync point meanwhile, syncs alone rather than with outer parameters not its own)

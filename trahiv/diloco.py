@@ -575,16 +575,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         }  # fmt: skip
         return self.peers
 
-    def _swarm_is_ahead(self, others: dict[str, PeerProgress] | None = None) -> bool:
-        """Whether the swarm took this outer step without this peer: some peers are past it, and no fewer than are
-        still at it (this one included). A peer past it alone while more are still at it took the step by itself (its
-        sync failed while the others were still in theirs): it is not the swarm, and they wait for its digest to
-        tell it at their next sync point (`_coming`, `swarm_state_holder`). Counting any peer past it as the swarm,
-        a peer still waiting for another at the sync point downloaded the lone peer's outer state (a CI run of
+    def _swarm_is_ahead(self, others: dict[str, PeerProgress] | None = None, outer_step: int | None = None) -> bool:
+        """Whether the swarm took this outer step (or `outer_step`, one this peer is loading) without this peer: some
+        peers are past it, and no fewer than are still at it (this one included). A peer past it alone while more are
+        still at it took the step by itself (its sync failed while the others were still in theirs): it is not the
+        swarm, and they wait for its digest to tell it at their next sync point (`_coming`, `swarm_state_holder`).
+        Counting any peer past it as the swarm, a peer still waiting for another at the sync point downloaded the lone
+        peer's outer state (a CI run of
         `test_diloco.py::test_a_peer_whose_sync_failed_waits_for_the_others_still_in_it`), and so would the rest."""
         others = self._others() if others is None else others
-        ahead = sum(record.outer_step > self.outer_step for record in others.values())
-        here = 1 + sum(record.outer_step == self.outer_step for record in others.values())
+        step = self.outer_step if outer_step is None else outer_step
+        ahead = sum(record.outer_step > step for record in others.values())
+        here = 1 + sum(record.outer_step == step for record in others.values())
         return ahead > 0 and ahead >= here
 
     def _wait_for_peers(self) -> bool:
@@ -812,6 +814,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         loaded = self._download(prefer)
         in_flight = False
         for _ in range(ADOPT_TRIES):  # (a few times: the swarm may be at its next sync point when a download ends)
+            if loaded is not None and self._swarm_is_ahead(outer_step=int(loaded[0]["epoch"])):
+                # served before its peer took its next outer step (a peer syncing alone meanwhile): loaded, it made
+                # this peer train H inner steps on an outer step the swarm had left, and miss the next sync too
+                logger.info(f"Downloaded outer step {loaded[0]['epoch']}, which the swarm is past: downloading again")
+                loaded = self._download(None) or loaded
+                continue
             if loaded is None or not follow_inner or not wait:
                 break
             if joining and self.cfg.overlap and self._swarm_at_sync_point(int(loaded[0]["epoch"])):
