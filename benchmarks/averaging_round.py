@@ -34,8 +34,9 @@ Engines (`--engines`), each against the bound 2 x (N-1)/N x S / B, S = compresse
   parts, 2 (N - 1) steps, each peer sending the next peer one segment a step and a part of it only once it has
   received that part from the previous peer (its own segment first); no compute, one connection each way.
   `p2p-ring-allreduce`: the same over libp2p streams (each peer's DHT and p2pd, as `p2p-butterfly`). With
-  `--ring-compute` (fp16, uniform8bit: hivemind's codec) each part received in the reduce-scatter is decoded, added to
-  the peer's own values and encoded before it goes on, and one received in the all-gather decoded.
+  `--ring-compute` (fp16, uniform8bit: trahiv's codec, as its ring runs it) each part received in the reduce-scatter
+  is decoded, added to the peer's own values and encoded before it goes on, and one received in the all-gather
+  decoded.
 - `tcp-butterfly`: the same bytes over plain TCP with the butterfly all-reduce's dependencies: each peer sends each
   other peer that peer's span (S / N) in parts of `--trahiv-part-bytes`, and a reducer returns a part once every
   sender's copy of it arrived; no compute, no libp2p: what the pattern costs on these links.
@@ -428,11 +429,14 @@ def tcp_worker(spec: dict) -> None:
     compute = spec.get("ring_compute", False) and spec["compression"] == "fp16"
     own = np.zeros(max(ring_parts) // 2, np.float32) if compute else None
     outgoing: dict[tuple[int, int, int], bytes] = {}  # (round, step, part) -> the bytes to send, once computed
-    # `--ring-compute` (uniform8bit): the same with hivemind's 8-bit codec, as trahiv's ring runs it: a part of k values
-    # is k bytes and its 256 buckets' values; decoded, added to this peer's values and encoded again in the
-    # reduce-scatter, decoded and forwarded as it came in the all-gather
+    # `--ring-compute` (uniform8bit): the same with the 8-bit codec trahiv's ring runs (trahiv's encoder in hivemind's
+    # wire format; until stop 59 hivemind's encoder, which takes 1.3-2.2x its time: this smallest version did more
+    # work than trahiv): a part of k values is k bytes and its 256 buckets' values; decoded, added to this peer's values
+    # and encoded again in the reduce-scatter, decoded and forwarded as it came in the all-gather
+    from trahiv.compression import make_compression
+
     codec = (
-        hivemind_compression("uniform8bit")
+        make_compression("uniform8bit")
         if spec.get("ring_compute", False) and spec["compression"] == "uniform8bit"
         else None
     )

@@ -372,8 +372,8 @@ def test_peers_that_start_apart_end_on_one_outer_state(tmp_path, workdir):
 
     That download is served before the other peer, syncing alone meanwhile, takes its outer step (held at its sync
     until then), and ends after (`stale_download`: held until the other's record is past it). The peer downloads again
-    rather than train its next H inner steps on the outer step the swarm has left, and then miss the next sync (seen in
-    two clean-clone runs, the natural race: a peer that never averaged nor synced alone)."""
+    rather than train its next H inner steps on the outer step the swarm has left, and then miss the next sync (the
+    natural race, in clean-clone run EO: a peer that never averaged nor synced alone)."""
     boot = start_bootstrap(tmp_path)
     common = {"workdir": str(workdir), "run_id": "diloco_apart", "initial_peers": boot.initial_peers, "batch_size": 2,
               "inner_steps": 3, "max_steps": 12, "lr": 1e-2, "lora": True, "save_final": True,
