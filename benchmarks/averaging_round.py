@@ -433,21 +433,17 @@ def tcp_worker(spec: dict) -> None:
     # wire format; until stop 59 hivemind's encoder, which takes 1.3-2.2x its time: this smallest version did more
     # work than trahiv): a part of k values is k bytes and its 256 buckets' values; decoded, added to this peer's values
     # and encoded again in the reduce-scatter, decoded and forwarded as it came in the all-gather
-    from trahiv.compression import make_compression
-
-    codec = (
-        make_compression("uniform8bit")
-        if spec.get("ring_compute", False) and spec["compression"] == "uniform8bit"
-        else None
-    )
-    if codec is not None:
+    codec = None
+    if spec.get("ring_compute", False) and spec["compression"] == "uniform8bit":  # (torch and hivemind only then)
         import torch
         from hivemind.compression import CompressionInfo
         from hivemind.proto import runtime_pb2
 
+        from trahiv.compression import make_compression
         from trahiv.engine import fixes
 
         fixes.apply()  # (hivemind's 8-bit decoders fail under numpy 2: trahiv's)
+        codec = make_compression("uniform8bit")
         torch.set_num_threads(1)
         values8 = torch.from_numpy(np.random.default_rng(rank).standard_normal(max(ring_parts)).astype(np.float32))
         info8 = {size: CompressionInfo.from_tensor(values8[:size]) for size in set(ring_parts)}
