@@ -9,6 +9,7 @@ peer's log, and the TensorBoard event file; the last one restarts the aux peer o
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import re
@@ -143,9 +144,14 @@ class FakeDHT:
     def __init__(self):
         self.entries: dict[bytes, MetricsRecord] = {}
 
-    def get(self, key, latest=False):
+    def get(self, key, latest=False, return_future=False):
         value = {k: SimpleNamespace(value=r.dict()) for k, r in self.entries.items()}
-        return SimpleNamespace(value=value) if value else None
+        found = SimpleNamespace(value=value) if value else None
+        if return_future:  # (hivemind's DHT answers through a future the caller may wait on with a timeout)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(found)
+            return future
+        return found
 
 
 class ListTracker:
@@ -208,6 +214,24 @@ def test_collector_sessions_ownership_and_settling(tmp_path, caplog):
     again.poll(now=9.0)
     assert {c["peer_id"]: c["samples"] for c in store.contributors()}[a] == 18  # 12 + (10 - 4) since
     assert [s["step"] for s in store.steps()] == [1, 2, 3]
+
+
+def test_a_stopped_collector_reads_the_records_once_more():
+    """The trainers' last records, published as they leave, reach the store when the aux peer is stopped right after
+    them (as `trahiv demo` stops it): stop() reads the records once more after the last periodic read."""
+    store, dht = MetricsStore("sqlite://"), FakeDHT()
+    a, b = PEER_IDS
+    dht.entries = {subkey(1): record(peer_id=a, step=1, step_samples=8, samples=8, time=1.0)}
+    collector = Collector(dht, "run", store, [], period=3600.0)
+    collector.start()
+    wait_for(lambda: collector.polls >= 1, 30, "the collector's first read")
+    dht.entries = {  # published after that read, as the peers left
+        subkey(1): record(peer_id=a, step=2, step_samples=8, samples=16, time=2.0),
+        subkey(2): record(peer_id=b, step=2, step_samples=4, samples=4, time=2.0),
+    }
+    collector.stop()
+    assert [(s["step"], s["active_peers"], s["samples"]) for s in store.steps()] == [(1, 1, 8), (2, 2, 12)]
+    assert {c["peer_id"]: c["samples"] for c in store.contributors()} == {a: 16, b: 4}
 
 
 def test_collector_never_rewrites_old_steps_from_late_records():

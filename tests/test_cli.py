@@ -144,4 +144,25 @@ def test_demo_diloco_syncs_every_h_local_steps(tmp_path):
     assert "DiLoCo: local steps: 6 (target 6), outer steps (syncs every 3 local steps): 2" in out, out[-2000:]
     sent = int(out.split("bytes sent per peer: ")[1].split()[0].replace(",", ""))
     assert sent > 0, out[-2000:]
-    assert "Dashboard" not in out
+    # each inner step's line names its outer step; no swarm throughput (a DiLoCo peer does not know it: it read 0)
+    lines = [line for line in out.splitlines() if line.startswith("[peer ")]
+    line_format = r"\[peer [01]\] step [1-6]/6 outer step [0-2] loss \d+\.\d{3} peers [12] contributed \d+"
+    assert len(lines) == 12 and all(re.fullmatch(line_format, line) for line in lines), lines
+    # the auxiliary peer followed the DiLoCo swarm (issue 13: the demo shows it): its store, what the dashboard
+    # shows, holds each trainer's last outer step and bytes and the last outer step's loss point with both peers
+    # (read once more as the demo stopped it, right after the trainers ended; a point per outer step otherwise, but
+    # the demo's outer steps can be shorter than the aux peer's 2 s between reads)
+    assert "Dashboard (live while the demo runs): http://127.0.0.1:" in out, out[-2000:]
+    from trahiv.auxiliary.store import MetricsStore, default_store_url
+
+    trainers = {row["peer_id"]: row for row in (json.loads((tmp_path / f"peer{i}.json").read_text()) for i in (0, 1))}
+    store = MetricsStore(default_store_url(tmp_path / "auxiliary"))
+    try:
+        meta, peers, steps = store.meta(), store.diloco_peers(), store.steps()
+    finally:
+        store.close()
+    assert (meta.get("mode"), meta.get("max_steps")) == ("diloco", "2"), meta
+    assert {row["peer_id"]: (row["outer_step"], row["bytes_sent"]) for row in peers} == {
+        peer_id: (2, row["bytes_sent"]) for peer_id, row in trainers.items()
+    }, (peers, trainers)
+    assert (steps[-1]["step"], steps[-1]["active_peers"]) == (2, 2), steps

@@ -141,6 +141,40 @@ def test_dashboard_shows_diloco_peers(tmp_path):
     store.close()
 
 
+def test_a_stopped_monitor_reads_the_progress_records_once_more():
+    """Each trainer's last DiLoCo record (published as it leaves) reaches the store when the aux peer is stopped right
+    after the trainers, as `trahiv demo --diloco` stops it: stop() reads the records once more."""
+    import concurrent.futures
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from trahiv.auxiliary.diloco import DiLoCoMonitor
+
+    now = time.time()
+    last = {"peer_id": PeerID.from_base58(PEER).to_bytes(), "outer_step": 2, "inner_done": 0, "inner_steps": 4,
+            "samples_accumulated": 0, "steps_per_second": 1.0, "time": now, "started": now - 10,
+            "averaging_bytes_sent": 1234, "averaging_bytes_received": 5678}  # fmt: skip
+
+    class ProgressDHT:
+        records: dict = {}
+
+        def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            entries = {subkey: SimpleNamespace(value=value) for subkey, value in self.records.items()}
+            future.set_result(SimpleNamespace(value=entries) if entries else None)
+            return future
+
+    store, dht = MetricsStore("sqlite://"), ProgressDHT()
+    monitor = DiLoCoMonitor(dht, RUN, store, period=3600.0, diloco=True).start()  # (it reads every hour)
+    dht.records = {b"a": last}
+    monitor.stop()
+    rows = [(r["peer_id"], r["outer_step"], r["bytes_sent"], r["bytes_received"]) for r in store.diloco_peers()]
+    assert rows == [(PEER, 2, 1234, 5678)]
+    store.close()
+
+
 @pytest.mark.swarm
 def test_aux_checkpoints_outer_parameters_and_shows_outer_steps_and_bytes(tmp_path, workdir):
     aux, out, initial_peers = start_aux(tmp_path, workdir)

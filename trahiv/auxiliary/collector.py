@@ -23,6 +23,7 @@ from typing import Any
 
 from trahiv.auxiliary.store import MetricsStore
 from trahiv.auxiliary.trackers import Tracker
+from trahiv.engine.liveness import dht_answer
 from trahiv.metrics import MetricsRecord, metrics_key, parse_metrics
 
 logger = logging.getLogger("trahiv.auxiliary")
@@ -121,9 +122,16 @@ class Collector:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop polling, read the records once more (within `timeout`: the trainers' last records, published as they
+        left, when the aux peer is stopped right after them, as `trahiv demo` stops it), and log every step."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():  # (a poll still waiting for the DHT: no second one)
+                try:
+                    self.poll(timeout=timeout)
+                except Exception as e:  # the DHT may be gone already: the store keeps the last poll's steps
+                    logger.debug(f"Reading the metrics as the aux peer stops failed: {e!r}")
         self.flush()
 
     def _run(self) -> None:
@@ -135,9 +143,14 @@ class Collector:
                 logger.warning(f"Collecting metrics failed: {e!r}", exc_info=logger.isEnabledFor(logging.DEBUG))
             self._stop.wait(self.period)
 
-    def poll(self, now: float | None = None) -> None:
-        """Read the records once, update the store, and log the steps that settled."""
-        found = self.dht.get(metrics_key(self.run_id), latest=True)
+    def poll(self, now: float | None = None, timeout: float | None = None) -> None:
+        """Read the records once, update the store, and log the steps that settled; with a `timeout`, an error if the
+        DHT does not answer within it or its process has ended."""
+        if timeout is None:
+            found = self.dht.get(metrics_key(self.run_id), latest=True)
+        else:
+            request = self.dht.get(metrics_key(self.run_id), latest=True, return_future=True)
+            found = dht_answer(self.dht, request, timeout)
         records = parse_metrics(found.value if found is not None else None)
         self.ingest(records, now=time.monotonic() if now is None else now)
         self.polls += 1

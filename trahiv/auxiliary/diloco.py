@@ -43,6 +43,7 @@ from trahiv.auxiliary.keeper import StateKeeper
 from trahiv.diloco import PeerProgress
 from trahiv.engine.diloco import DiLoCoAverager
 from trahiv.engine.gate import gated
+from trahiv.engine.liveness import dht_answer
 
 logger = logging.getLogger("trahiv.auxiliary.diloco")
 
@@ -78,9 +79,10 @@ def _count(value: Any) -> int:
     return value if type(value) is int and 0 <= value < 2**62 else 0
 
 
-def diloco_peers(dht: Any, run_id: str) -> list[dict[str, Any]]:
-    """The DiLoCo progress records peers published (malformed ones dropped), as store rows."""
-    found = dht.get(progress_key(run_id), latest=True)
+def diloco_peers(dht: Any, run_id: str, timeout: float | None = None) -> list[dict[str, Any]]:
+    """The DiLoCo progress records peers published (malformed ones dropped), as store rows; an error if the DHT does
+    not answer within `timeout` seconds (None: the DHT's own request timeouts) or its process has ended."""
+    found = dht_answer(dht, dht.get(progress_key(run_id), latest=True, return_future=True), timeout)
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
     rows = []
     for entry in entries.values():
@@ -120,9 +122,18 @@ class DiLoCoMonitor:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop polling, then read the records once more (within `timeout`): a trainer's last record, published as it
+        leaves, reaches the store even when the aux peer is stopped right after the trainers (`trahiv demo --diloco`
+        stops it as they end: the store kept the outer step and bytes of a poll up to `period` old)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # a poll still waiting for the DHT: do not wait for a second one
+                return
+        try:
+            self.poll(timeout=timeout)
+        except Exception as e:  # (the DHT may be gone already: the store keeps the last poll's rows)
+            logger.debug(f"Reading DiLoCo progress as the aux peer stops failed: {e!r}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -131,8 +142,8 @@ class DiLoCoMonitor:
             except Exception as e:  # a DHT hiccup must never stop the aux peer
                 logger.debug(f"Reading DiLoCo progress failed: {e!r}")
 
-    def poll(self) -> list[dict[str, Any]]:
-        rows = diloco_peers(self.dht, self.run_id)
+    def poll(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        rows = diloco_peers(self.dht, self.run_id, timeout)
         if rows and not self.diloco:
             self.diloco = True
             self.store.set_meta("mode", "diloco")

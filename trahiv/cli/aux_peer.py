@@ -38,7 +38,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--report-to", nargs="+", default=["tensorboard"], choices=TRACKERS,
                         help="experiment trackers (wandb and trackio need their packages)")  # fmt: skip
     parser.add_argument("--tracker-project", default=None, help="W&B / trackio project (default: the run_id)")
-    parser.add_argument("--max-steps", type=int, default=None, help="the run's max_steps (for the dashboard's ETA)")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="the run's max_steps, for the dashboard's ETA (DiLoCo: outer steps)"
+    )
     parser.add_argument("--period", type=float, default=2.0, help="seconds between reads of the swarm's metrics")
     parser.add_argument("--addresses-file", default=None, help="also write the join addresses there (JSON)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")

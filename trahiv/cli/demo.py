@@ -31,7 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--diloco", type=int, default=0, metavar="H",
         help="DiLoCo mode: each peer trains alone and the swarm syncs every H local steps (--max-steps counts local "
-        "steps; no dashboard: the auxiliary peer does not follow DiLoCo runs yet)",
+        "steps; the dashboard shows each peer's outer step and bytes, its loss curve one point per outer step)",
     )  # fmt: skip
     parser.add_argument("--role", choices=["swarm", "trainer"], default="swarm", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -55,7 +55,6 @@ def run_swarm(args: argparse.Namespace) -> int:
     threads = _threads_from_env() or trainer_threads(args.peers)  # a bad OMP_NUM_THREADS fails before any work
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trahiv-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    args.no_dashboard = args.no_dashboard or args.diloco > 0
     aux_peer = "" if args.no_dashboard else " + 1 auxiliary peer (dashboard)"
     print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer{aux_peer} on 127.0.0.1, working in {workdir}",
           flush=True)  # fmt: skip
@@ -139,11 +138,14 @@ def _wait_for_addresses(path: Path, process: subprocess.Popen) -> list[str]:
 def _start_aux(
     command: list[str], env: dict[str, str], workdir: Path, args: argparse.Namespace, initial_peers: list[str]
 ) -> subprocess.Popen:
-    """An auxiliary peer with the dashboard: trainers' metrics go to workdir/auxiliary (SQLite, TensorBoard)."""
+    """An auxiliary peer with the dashboard: trainers' metrics go to workdir/auxiliary (SQLite, TensorBoard). With
+    --diloco it follows the DiLoCo swarm from the start (the trainers' `diloco` section): its steps are outer steps."""
     config = {"opt": {"run_id": args.run_id, "target_batch_size": args.target_batch_size},
-              "dht": {"initial_peers": initial_peers, "nat_port_map": False}}  # fmt: skip
+              "dht": {"initial_peers": initial_peers, "nat_port_map": False},
+              **({"diloco": {"inner_steps": args.diloco}} if args.diloco else {})}  # fmt: skip
+    steps = max(1, args.max_steps // args.diloco) if args.diloco else args.max_steps
     aux_args = [*command, "aux", "--config", json.dumps(config), "--output-dir", str(workdir / "auxiliary"),
-                "--max-steps", str(args.max_steps), "--dashboard-port", str(args.dashboard_port),
+                "--max-steps", str(steps), "--dashboard-port", str(args.dashboard_port),
                 "--dashboard-refresh", "2"]  # fmt: skip
     log = open(workdir / "auxiliary.log", "w")
     return subprocess.Popen(aux_args, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -228,10 +230,12 @@ def run_trainer(args: argparse.Namespace) -> int:
                 losses.append(float(logs["loss"]))
                 step = logs.get("collaborative_step", state.global_step)
                 outer = f" outer step {logs['outer_step']}" if "outer_step" in logs else ""
+                # (a DiLoCo peer knows the others' inner steps, not their samples: the dashboard sums their records)
+                rate = logs.get("swarm_samples_per_second")
+                swarm = "" if rate is None else f" swarm {rate:.0f} samples/s"
                 print(
                     f"[peer {index}] step {step}/{args.max_steps}{outer} loss {logs['loss']:.3f} "
-                    f"peers {logs.get('swarm_peers')} swarm {logs.get('swarm_samples_per_second', 0):.0f} samples/s "
-                    f"contributed {logs.get('samples_contributed')}",
+                    f"peers {logs.get('swarm_peers')}{swarm} contributed {logs.get('samples_contributed')}",
                     flush=True,
                 )
 
