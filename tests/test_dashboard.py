@@ -367,6 +367,8 @@ def test_page_in_headless_chromium(store, start, tmp_path):
     assert {"loss-chart", "peers-chart", "throughput-chart"} <= set(page.canvases)
     # the cards: refreshed by itself to step 31 of 100
     assert page.text("step") == str(LAST_STEP + 1) and page.text("max-steps") == f"/ {MAX_STEPS}"
+    assert page.text("step-label") == "Collaborative step" and page.text("step-rate").endswith(" steps/h")
+    assert page.by_id["diloco-board"]["attrs"].get("hidden") is not None  # (a synchronous swarm)
     assert page.text("run-id") == "dashboard_test" and page.text("active-peers") == "4"
     assert page.text("eta") == "23 min"  # 69 steps at 20 s each
     assert page.text("loss") == f"{loss_at(LAST_STEP + 1):.3f}" and page.text("throughput") == "12.7"

@@ -128,6 +128,9 @@ def test_dashboard_shows_diloco_peers(tmp_path):
     assert answer["diloco"] is False  # (the mode is set by the DiLoCoMonitor: from the config or the first record)
     assert [(r["peer_id"], r["outer_step"]) for r in answer["peers"]] == [(PEER, 8), ("Qm" + "a" * 44, 2)]
     store.set_meta("mode", "diloco")
+    for step in (1, 2):  # the trainers' metrics records, one per outer step
+        store.add_step(step=step, time=time.time() - 60 * (2 - step), loss=5.0, active_peers=2, samples_per_second=9.0,
+                       samples=32)  # fmt: skip
     if shutil.which("chromium") is None:
         return
     with DashboardServer(store, port=0, refresh_seconds=1.0) as server:
@@ -135,6 +138,10 @@ def test_dashboard_shows_diloco_peers(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     page = Page(done.stdout)
     assert page.by_id["diloco-board"]["attrs"].get("hidden") is None
+    # the swarm's steps are outer steps (its metrics records, max_steps): the page says so
+    assert page.text("step-label") == "Outer step", page.text("step-label")
+    assert page.text("empty").startswith("No outer step recorded yet"), page.text("empty")  # (hidden: 2 steps)
+    assert page.text("step") == "2" and page.text("step-rate") == "60.0 outer steps/h", page.text("step-rate")
     text = page.text("diloco")  # (the cells' texts, concatenated): the newest outer step first
     first = f"peer …{PEER[-8:]}" + "8" + "3 / 4" + "1.2 kB" + "5.7 kB"
     assert first in text and text.index(first) < text.index("peer …aaaaaaaa2"), text

@@ -99,7 +99,8 @@
     setText("contributors-count", s.contributors + (s.contributors === 1 ? " contributor" : " contributors") +
       " so far");
     setText("throughput", rate(s.samples_per_second));
-    setText("step-rate", s.steps_per_hour === null ? "" : rate(s.steps_per_hour) + " steps/h");
+    const perHour = root.dataset.stepWord === "outer step" ? " outer steps/h" : " steps/h";
+    setText("step-rate", s.steps_per_hour === null ? "" : rate(s.steps_per_hour) + perHour);
     setText("loss", s.loss === null ? "–" : s.loss.toFixed(3));
     setText("total-samples", integer(s.total_samples) + " samples in all");
     const age = s.last_step_time === null ? "" : " · latest step " + duration(s.server_time - s.last_step_time) +
@@ -152,6 +153,11 @@
 
   function renderDiloco(d, serverTime) {  // DiLoCo swarms: each peer's outer step and averaging bytes
     $("diloco-board").hidden = !d.diloco;
+    // a DiLoCo swarm's steps (metrics records, loss curve, max_steps) are outer steps
+    const word = d.diloco ? "outer step" : "collaborative step";
+    setText("step-label", word[0].toUpperCase() + word.slice(1));
+    document.querySelectorAll(".step-word").forEach((span) => { span.textContent = word; });
+    root.dataset.stepWord = word;
     const rows = d.peers.map((p) => {
       const tr = document.createElement("tr");
       tr.append(cell("peer …" + p.peer_id.slice(-8), "name"), cell(integer(p.outer_step), "num outer-step"),
@@ -177,10 +183,10 @@
         getJson(api.summary), getJson(api.steps + "?limit=" + maxPoints), getJson(api.leaderboard),
         getJson(api.diloco),
       ]);
+      renderDiloco(diloco, summary.server_time);  // (first: it names the steps the others show)
       renderSummary(summary);
       renderCharts(steps.steps);
       renderLeaderboard(board, summary.server_time);
-      renderDiloco(diloco, summary.server_time);
       $("error").hidden = true;
       root.dataset.loaded = "true";
     } catch (error) {
