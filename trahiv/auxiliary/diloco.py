@@ -126,10 +126,11 @@ class DiLoCoMonitor:
         leaves, reaches the store even when the aux peer is stopped right after the trainers (`trahiv demo --diloco`
         stops it as they end: the store kept the outer step and bytes of a poll up to `period` old)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():  # a poll still waiting for the DHT: do not wait for a second one
-                return
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # a poll still waiting for the DHT: do not wait for a second one
+            return
         try:
             self.poll(timeout=timeout)
         except Exception as e:  # (the DHT may be gone already: the store keeps the last poll's rows)
