@@ -76,6 +76,14 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    too (tests/test_ring.py's slowest peer in none of 3 rounds: stops 50 and 54). Searches cancelled in a row in one
    idle peer: 1 of 12 and 2 of 8 went on (the project's CI of stop 57: one still under way 10 s after its cancel).
    The step is now marked cancelled first (tests/test_engine.py).
+14. Garbage collection in the engine processes: each DHT and averager process is forked from the trainer and inherits
+   its whole heap (torch, transformers, hivemind, the model's Python objects). A full (generation 2) collection there
+   walks all of it: 0.23-0.42 s in a gradient averager of `benchmarks/averaging_round.py`'s peers, to free about
+   2,000 objects of its own, once in some ten rounds, as its round was to begin; the ring rounds it fell in began
+   0.31-0.42 s apart instead of about 0.1 s (two rounds of every run, each peer's collection in one of them). Every
+   engine process now moves what it inherited to the collector's permanent generation as it starts (`gc.freeze()`,
+   in the guarded `run` of fix 2): its collections walk only its own objects, and no longer write to (and so copy)
+   the memory pages it shares with the trainer (tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -83,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import logging
 import os
 import signal
@@ -348,6 +357,7 @@ def _guard_run(cls: Any) -> None:
         return
 
     def run(self) -> None:
+        gc.freeze()  # fix 14: what this process inherited from the trainer is never collected here
         start_parent_watchdog()
         self._inner_pipe = RequestReceiver(self._inner_pipe)  # fix 8
         return original(self)
