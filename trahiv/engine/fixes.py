@@ -80,7 +80,7 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    its whole heap (torch, transformers, hivemind, the model's Python objects). A full (generation 2) collection there
    walks all of it: 0.23-0.42 s in a gradient averager of `benchmarks/averaging_round.py`'s peers, to free about
    2,000 objects of its own, once in some ten rounds, as its round was to begin; the ring rounds it fell in began
-   0.31-0.42 s apart instead of about 0.1 s (two rounds of every run, each peer's collection in one of them). Every
+   0.2-0.45 s apart instead of about 0.1 s (two rounds of each run, each peer's collection in one of them). Every
    engine process now moves what it inherited to the collector's permanent generation as it starts (`gc.freeze()`,
    in the guarded `run` of fix 2): its collections walk only its own objects, and no longer write to (and so copy)
    the memory pages it shares with the trainer (tests/test_engine.py).
