@@ -233,11 +233,14 @@ def run_trainer(args: argparse.Namespace) -> int:
                 # (a DiLoCo peer knows the others' inner steps, not their samples: the dashboard sums their records)
                 rate = logs.get("swarm_samples_per_second")
                 swarm = "" if rate is None else f" swarm {rate:.0f} samples/s"
-                print(
+                line = (
                     f"[peer {index}] step {step}/{args.max_steps}{outer} loss {logs['loss']:.3f} "
-                    f"peers {logs.get('swarm_peers')}{swarm} contributed {logs.get('samples_contributed')}",
-                    flush=True,
+                    f"peers {logs.get('swarm_peers')}{swarm} contributed {logs.get('samples_contributed')}\n"
                 )
+                # one write: the trainers share the demo's stdout unbuffered (PYTHONUNBUFFERED), where print() writes
+                # the line and its newline apart and two peers' lines came out as one (a clean-clone run, stop 60)
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
     training_args = TrainingArguments(
         output_dir=str(workdir / f"peer{index}"), per_device_train_batch_size=args.batch_size,
