@@ -44,3 +44,28 @@ SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
+PEER_LOG_LINES = 60  # the last lines of each peer's log shown with a failure
+PEER_LOG_CHARS = 40_000  # at most this much of all the logs of one failed test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """A failed test shows the end of each peer log (`log.txt`) and bootstrap log its processes wrote under its
+    `tmp_path`: a timing race seen once in a clean-clone run otherwise leaves only the assertion to read."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if call.when != "call" or not report.failed or tmp_path is None:
+        return
+    sections, left = [], PEER_LOG_CHARS
+    for log in sorted([*tmp_path.rglob("log.txt"), *tmp_path.rglob("bootstrap.log")]):
+        lines = log.read_text(errors="replace").splitlines()[-PEER_LOG_LINES:]
+        text = "\n".join(lines)[-left:]
+        sections.append(f"--- {log.relative_to(tmp_path)} (last {len(lines)} lines)\n{text}")
+        left -= len(text)
+        if left <= 0:
+            break
+    if sections:
+        report.sections.append(("peer logs", "\n".join(sections)))

@@ -274,15 +274,20 @@ def build_model(spec: dict):
 
 
 def debug_logging() -> None:
-    """With TRAHIV_TEST_DEBUG set, trahiv's DEBUG lines go to the peer's log (shares, holds, step timings)."""
+    """With TRAHIV_TEST_DEBUG set, trahiv's DEBUG lines go to the peer's log (shares, holds, step timings), and so do
+    hivemind's matchmaking and averager lines (who asked whom, who accepted, when a group assembled)."""
     if os.environ.get("TRAHIV_TEST_DEBUG"):
         import logging
 
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d [trahiv] %(message)s", "%H:%M:%S"))
-        logging.getLogger("trahiv").addHandler(handler)
-        logging.getLogger("trahiv").setLevel(logging.DEBUG)
-        logging.getLogger("trahiv").propagate = False
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s.%(msecs)03d %(process)d [%(name)s] %(message)s", "%H:%M:%S")
+        )
+        for name in ("trahiv", "hivemind.averaging.matchmaking", "hivemind.averaging.averager"):
+            logger = logging.getLogger(name)
+            logger.addHandler(handler)
+            logger.setLevel(logging.DEBUG)
+            logger.propagate = False
 
 
 def main(spec_path: str) -> int:
