@@ -155,11 +155,17 @@ def debug_logs() -> Iterator[None]:
 
 
 def run_late_leader(
-    stack: ExitStack, leader_cls: Any, prefix: str, **common: Any
+    stack: ExitStack,
+    leader_cls: Any,
+    prefix: str,
+    *,
+    hold_s: float = FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S,
+    **common: Any,
 ) -> tuple[list[Any], list[torch.Tensor]]:
     """A leader (declares 3 s; `leader_cls(hold_until)`) and a client-mode follower (its step: 4 s); the leader's
-    fault (late assembly, late answer) lasts until 0.5 s after the follower's deadline. Returns the step results and
-    each averager's tensors afterwards (the steps' durations go to the debug log, shown with a failure)."""
+    fault (late assembly, late answer) lasts until `hold_s` after the steps begin (by default 0.5 s after the
+    follower's deadline). Returns the step results and each averager's tensors afterwards (the steps' durations go to
+    the debug log, shown with a failure)."""
     stack.enter_context(debug_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
@@ -173,7 +179,7 @@ def run_late_leader(
     ]
     for averager in averagers:
         stack.callback(averager.shutdown)
-    hold_until.value = time.time() + FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S
+    hold_until.value = time.time() + hold_s
     results, seconds = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
     logging.getLogger("trahiv.averaging").debug(f"steps ended after {seconds} s: {results}")
     tensors = []
@@ -507,3 +513,57 @@ def test_with_hiveminds_request_the_follower_is_left_out_of_the_group_that_count
         results, tensors = run_stream_ended(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[0], torch.zeros(4)) and torch.equal(tensors[1], torch.ones(4)), tensors
+
+
+# --- 6 and 10. a leader whose group message reaches its accepted follower after the follower stopped waiting for it ---
+
+BEGIN_REQUEST_TIMEOUT_S = 1.0  # the follower waits for the group until its declared time + this, then gives up
+BEGIN_LATE_S = 1.0  # the group message leaves this long after the follower's deadline: after that wait
+
+
+def group_message_sent_late(hold_until: Any) -> type[ReportingAverager]:
+    class GroupMessageSentLate(ReportingAverager):
+        """Accepts the follower at once and assembles the group with it when its declared time runs out, but the
+        group's message (BEGIN_ALLREDUCE) reaches the follower only at `hold_until`, once: a busy machine's event loops
+        and daemons between the two. The leader's all-reduce begins as it assembles, counting the follower in."""
+
+        async def rpc_join_group(
+            self, request: averaging_pb2.JoinRequest, context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+            async for message in super().rpc_join_group(request, context):
+                if message.code == averaging_pb2.BEGIN_ALLREDUCE and not getattr(self, "_sent_late", False):
+                    self._sent_late = True  # (in the averager's process, once)
+                    await asyncio.sleep(max(0.0, hold_until.value - time.time()))
+                yield message
+
+    return GroupMessageSentLate
+
+
+def run_group_message_late(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """The leader assembles at 3 s; the follower (declared 3.5 s, step 4 s) waits for the group message until 4.5 s;
+    it leaves the leader at 5 s."""
+    return run_late_leader(
+        stack,
+        group_message_sent_late,
+        "group_message_late",
+        request_timeout=BEGIN_REQUEST_TIMEOUT_S,
+        hold_s=FOLLOWER_TIMEOUT_S + BEGIN_LATE_S,
+    )
+
+
+def test_a_follower_that_gave_up_waiting_for_its_group_asks_again_and_gets_it():
+    with ExitStack() as stack:
+        results, tensors = run_group_message_late(stack)
+    assert_averaged_together(results, tensors)
+
+
+def test_with_hiveminds_request_the_follower_gives_up_on_the_group_that_counted_it_in(monkeypatch):
+    """The control: hivemind's join request, the same timing. The follower's wait for the group ends at its declared
+    time + request_timeout, after its step's deadline; the leader's round goes on without its part and the follower
+    finds no group: the signature of the DiLoCo syncs of clean-clone runs CK (stop 47) and EY (stop 60)."""
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(Matchmaking, "_request_join_group", Matchmaking._request_join_group.__wrapped__)
+    with ExitStack() as stack:
+        results, tensors = run_group_message_late(stack)
+    assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
+    assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values

@@ -24,7 +24,9 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    `matchmaking_time`, at most 3 s; 1 s in the tests) was a refusal for the whole round. On a busy machine a leader's
    first answer took 1.3 s once; the leader then assembled its group without that follower, which stepped alone after
    `averaging_timeout`. A leader that did not answer in time goes back to the queue and is asked again at once, for as
-   long as its declaration stands (tested in tests/test_matchmaking.py).
+   long as its declaration stands (tested in tests/test_matchmaking.py). A leader that accepted this follower and then
+   sent no group (its answer ended, or the group's message came after hivemind's wait for it: this follower's
+   declared time + `request_timeout`) is asked again at once: if its group counted this follower in, it sends it (12).
 7. Matchmaking lookups in a busy loop: while an averager looks for a group and knows no leader better than itself (the
    leader, or anyone before the others declared), hivemind's `PotentialLeaders` asks for a new DHT lookup of the
    group key as soon as the previous one returns, for the whole matchmaking window (up to `matchmaking_time`, 15 s by
@@ -48,7 +50,12 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    own). Such an averager now waits up to `request_timeout` more for that group, and so does one whose join request
    still awaits its answer (its leader may have accepted it and assembled at once: a DiLoCo peer in clean-clone run
    BH, 2026-11-28, gave up its search while its group averaged for 10 s without its part), once more if it is
-   accepted in that time (tests/test_matchmaking.py).
+   accepted in that time; and while a join request its leader accepted, or the one asking that leader again after it
+   (6), is under way, up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout`: a follower whose leader assembled as its
+   declared time ran out, the group's message arriving after hivemind's wait for it (a busy machine; the test holds it
+   1 s), found no group while the leader's round went on without its part (tests/test_matchmaking.py): the signature
+   of the DiLoCo syncs that failed in clean-clone runs CK and EY (stops 47 and 60), whose logs did not say which way
+   they came to it.
 11. A groupmate's parts that arrive before this averager began the group's all-reduce: a reducer answers a part for a
    group it does not run yet with BAD_GROUP_ID, unless hivemind's one event says a group is about to register. The
    event is set whenever a group of this averager ends, so in background mode (`delay_grad_averaging`: step k's round
@@ -112,6 +119,9 @@ EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**E
 MATCHMAKING_LOOKUP_PERIOD = 0.1  # seconds between the starts of two DHT lookups of one averager's group key (fix 7)
 REFUSAL_DRAIN_S = 2.0  # seconds a refusing handler may read a sender's stream to its end and wait for its close
 FOUND_GROUP_POLL = 0.1  # seconds between looks at a found group's step while a part for it waits (fix 11)
+# a join request its leader accepted (and the one asking again after it, fix 6) keeps a search past its deadline up to
+# this many request_timeouts (fix 10): the group message's wait, the second request's answer and its group message
+GRACE_ACCEPTED_TIMEOUTS = 3
 LED_GROUPS_KEPT = 4  # the groups an averager assembled last, as leader, that a member asking again can be sent (fix 12)
 # the group bits of the round whose averaging step runs in this context: its search looks under them alone, whatever
 # the owner sets meanwhile (set by trahiv.engine.averagers.EpochKeyedMatchmaking; read by fix 10's look_for_group)
@@ -585,22 +595,26 @@ def _retry_late_leaders() -> None:
 
     async def _request_join_group(self, leader):  # type: ignore[no-untyped-def]
         began = time.monotonic()
-        # (while its answer is awaited, fix 10 keeps the search open past its deadline: see _wait_for_assembly)
+        # (while its answer is awaited, fix 10 keeps the search open past its deadline: see _wait_for_assembly; and
+        # while an accepted request, or the request asking again that follows it, is under way: `accepted`)
         answered = asyncio.get_running_loop().create_future()
-        in_flight = self.__dict__.setdefault("_trahiv_join_requests", set())
-        in_flight.add(answered)
+        in_flight = self.__dict__.setdefault("_trahiv_join_requests", {})  # its future -> {"accepted": bool}
+        in_flight[answered] = state = {"accepted": False}
         try:
-            group, accepted = await _ask(self, leader)
-            if group is None and accepted and time.monotonic() - began < self.request_timeout:
-                # the leader accepted this averager, then its answer ended at once without the group (its stream
-                # closed after ACCEPTED: seen in benchmarks/averaging_round.py about once in 50 rounds of 4 peers on
-                # 2 cores, the leader's group counting this averager in; the others' ring then failed after 15 s). A
-                # leader that counted it in sends the group to a member asking again (fix 12): ask once more, now
+            group, accepted = await _ask(self, leader, state)
+            if group is None and accepted:
+                # the leader accepted this averager, then no group came: its answer ended at once without it (its
+                # stream closed after ACCEPTED: seen in benchmarks/averaging_round.py about once in 50 rounds of 4
+                # peers on 2 cores, the leader's group counting this averager in; the others' ring then failed after
+                # 15 s), or the group's message did not arrive within hivemind's wait for it (this averager's
+                # declared time + request_timeout: a leader that assembled as that time ran out, its message late on
+                # a busy machine, tests/test_matchmaking.py). A leader that counted it in sends the group to a member
+                # asking again (fix 12): ask once more, now
                 if self.is_looking_for_group and not self.assembled_group.done():
-                    logger.debug(f"Leader {leader} accepted this averager, then its answer ended: asking it again")
-                    group, _ = await _ask(self, leader)
+                    logger.debug(f"Leader {leader} accepted this averager, then no group came: asking it again")
+                    group, _ = await _ask(self, leader, state)
         finally:
-            in_flight.discard(answered)
+            del in_flight[answered]
             answered.set_result(None)
         if group is None and time.monotonic() - began >= self.request_timeout:
             # no first answer within request_timeout (or a group that did not form after a long wait): not a refusal.
@@ -614,10 +628,12 @@ def _retry_late_leaders() -> None:
                     logger.debug(f"Leader {leader} did not answer within {self.request_timeout} s: asking it again")
         return group
 
-    async def _ask(self, leader):  # type: ignore[no-untyped-def]
+    async def _ask(self, leader, state):  # type: ignore[no-untyped-def]
         """hivemind's join request, and whether the leader accepted this averager meanwhile (hivemind sets
-        `was_accepted_to_group` on ACCEPTED and clears it as the request ends: watched from a task of its own)."""
+        `was_accepted_to_group` on ACCEPTED and clears it as the request ends: watched from a task of its own, which
+        also marks `state` accepted as the answer arrives)."""
         accepted = asyncio.ensure_future(self.was_accepted_to_group.wait())
+        accepted.add_done_callback(lambda done: done.cancelled() or state.update(accepted=True))
         try:
             group = await original(self, leader)
         finally:
@@ -709,17 +725,21 @@ def _finish_groups_in_assembly() -> None:
         is accepted by a leader, leads followers, or awaits a leader's answer to its join request (the leader may have
         accepted it and assembled at once, the group then already counting it in): `request_timeout`, once more if it
         was accepted during the first (its leader then assembles at the latest when its declaration, which ends before
-        this averager's, runs out)."""
-        grace_end = time.monotonic() + self.request_timeout
+        this averager's, runs out). A join request the leader accepted, and the one asking that leader again when no
+        group came (fix 6), are awaited past that, up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout` in all: the
+        leader's group counts this averager in."""
+        began = time.monotonic()
+        grace_end, hard_end = began + self.request_timeout, began + GRACE_ACCEPTED_TIMEOUTS * self.request_timeout
         accepted = self.current_leader is not None
         logger.debug(f"{self} - the step's deadline passed: waiting for a group in assembly, if any")
         while not self.assembled_group.done():
-            in_flight: set[Any] = getattr(self, "_trahiv_join_requests", set())
+            in_flight: dict[Any, dict[str, bool]] = getattr(self, "_trahiv_join_requests", {})
             if self.current_leader is None and not self.current_followers and not in_flight:
                 return False  # nothing under way: no group can count this averager in
             if not accepted and self.current_leader is not None and time.monotonic() >= grace_end:
                 grace_end, accepted = time.monotonic() + self.request_timeout, True  # accepted during the grace
-            left = grace_end - time.monotonic()
+            end = hard_end if any(state["accepted"] for state in in_flight.values()) else grace_end
+            left = min(end, hard_end) - time.monotonic()
             if left <= 0:
                 return False
             await asyncio.wait({self.assembled_group, *in_flight}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
