@@ -160,12 +160,13 @@ def run_late_leader(
     prefix: str,
     *,
     hold_s: float = FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S,
+    leader_declares_s: float = 3.0,
     **common: Any,
 ) -> tuple[list[Any], list[torch.Tensor]]:
-    """A leader (declares 3 s; `leader_cls(hold_until)`) and a client-mode follower (its step: 4 s); the leader's
-    fault (late assembly, late answer) lasts until `hold_s` after the steps begin (by default 0.5 s after the
-    follower's deadline). Returns the step results and each averager's tensors afterwards (the steps' durations go to
-    the debug log, shown with a failure)."""
+    """A leader (declares `leader_declares_s`, 3 s by default; `leader_cls(hold_until)`) and a client-mode follower
+    (its step: 4 s); the leader's fault (late assembly, late answer) lasts until `hold_s` after the steps begin (by
+    default 0.5 s after the follower's deadline). Returns the step results and each averager's tensors afterwards (the
+    steps' durations go to the debug log, shown with a failure)."""
     stack.enter_context(debug_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
@@ -174,7 +175,7 @@ def run_late_leader(
     hold_until = mp.Value("d", 0.0)
     common = dict(prefix=prefix, min_group_size=2, start=True, **common)
     averagers = [
-        leader_cls(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=3.0, **common),
+        leader_cls(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=leader_declares_s, **common),
         ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
     ]
     for averager in averagers:
@@ -467,6 +468,24 @@ def test_without_the_fix_the_leader_averages_without_the_follower_it_counted_in(
         results, tensors = run_answer_after_request_timeout(stack)
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[0], torch.zeros(4)) and torch.equal(tensors[1], torch.ones(4)), tensors
+
+
+def run_answer_after_the_leaders_time(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """As above, but the leader declares 1 s: its late answer misses the follower's request_timeout after that time is
+    over, so the follower's queue does not take the leader back (fix 6 before stop 61)."""
+    return run_late_leader(
+        stack,
+        assembled_then_answered_late,
+        "answered_after_its_time",
+        request_timeout=LATE_ANSWER_REQUEST_TIMEOUT_S,
+        leader_declares_s=1.0,
+    )
+
+
+def test_a_follower_whose_leaders_time_is_over_when_its_answer_is_late_asks_again_and_gets_the_group():
+    with ExitStack() as stack:
+        results, tensors = run_answer_after_the_leaders_time(stack)
+    assert_averaged_together(results, tensors)
 
 
 # --- 6. a leader whose answer ended right after it accepted this follower (and counted it in) -------------------------

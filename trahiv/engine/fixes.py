@@ -26,7 +26,9 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    `averaging_timeout`. A leader that did not answer in time goes back to the queue and is asked again at once, for as
    long as its declaration stands (tested in tests/test_matchmaking.py). A leader that accepted this follower and then
    sent no group (its answer ended, or the group's message came after hivemind's wait for it: this follower's
-   declared time + `request_timeout`) is asked again at once: if its group counted this follower in, it sends it (12).
+   declared time + `request_timeout`), and one whose first answer did not come within `request_timeout` when the time
+   it declared is over (it is not queued again then; a leader that accepts and assembles at once counts the follower
+   in as that answer leaves), is asked again at once: if its group counted this follower in, it sends it (12).
 7. Matchmaking lookups in a busy loop: while an averager looks for a group and knows no leader better than itself (the
    leader, or anyone before the others declared), hivemind's `PotentialLeaders` asks for a new DHT lookup of the
    group key as soon as the previous one returns, for the whole matchmaking window (up to `matchmaking_time`, 15 s by
@@ -602,16 +604,26 @@ def _retry_late_leaders() -> None:
         in_flight[answered] = state = {"accepted": False}
         try:
             group, accepted = await _ask(self, leader, state)
-            if group is None and accepted:
-                # the leader accepted this averager, then no group came: its answer ended at once without it (its
-                # stream closed after ACCEPTED: seen in benchmarks/averaging_round.py about once in 50 rounds of 4
-                # peers on 2 cores, the leader's group counting this averager in; the others' ring then failed after
-                # 15 s), or the group's message did not arrive within hivemind's wait for it (this averager's
-                # declared time + request_timeout: a leader that assembled as that time ran out, its message late on
-                # a busy machine, tests/test_matchmaking.py). A leader that counted it in sends the group to a member
-                # asking again (fix 12): ask once more, now
-                if self.is_looking_for_group and not self.assembled_group.done():
-                    logger.debug(f"Leader {leader} accepted this averager, then no group came: asking it again")
+            if group is None and self.is_looking_for_group and not self.assembled_group.done():
+                # A leader that counted this averager in sends the group to a member asking again (fix 12): ask once
+                # more, now, if it may have. (1) It accepted this averager, then no group came: its answer ended at
+                # once without it (its stream closed after ACCEPTED: seen in benchmarks/averaging_round.py about once
+                # in 50 rounds of 4 peers on 2 cores, the leader's group counting this averager in; the others' ring
+                # then failed after 15 s), or the group's message did not arrive within hivemind's wait for it (this
+                # averager's declared time + request_timeout: a leader that assembled as that time ran out, its
+                # message late on a busy machine). (2) Its first answer did not come within request_timeout and the
+                # time it declared is over: a leader that accepts and assembles at once (its group then holds every
+                # expected peer) counts this averager in as the answer leaves, which a busy machine can delay past
+                # request_timeout; while its declaration stands it goes back to the queue instead (below), and a
+                # leader asked again after its time is over never was (tests/test_matchmaking.py)
+                if accepted:
+                    why = "accepted this averager, then no group came"
+                elif time.monotonic() - began >= self.request_timeout and not _declared_until_later(self, leader):
+                    why = f"did not answer within {self.request_timeout} s, and the time it declared is over"
+                else:
+                    why = ""
+                if why:
+                    logger.debug(f"Leader {leader} {why}: asking it again")
                     group, _ = await _ask(self, leader, state)
         finally:
             del in_flight[answered]
@@ -627,6 +639,11 @@ def _retry_late_leaders() -> None:
                     leaders.leader_queue.store(leader, attempt[1], attempt[1])
                     logger.debug(f"Leader {leader} did not answer within {self.request_timeout} s: asking it again")
         return group
+
+    def _declared_until_later(self, leader) -> bool:  # type: ignore[no-untyped-def]
+        """Whether the time `leader` declared when this averager asked it is still to come."""
+        now = get_dht_time()
+        return any(peer == leader and expiration > now for peer, expiration in self.potential_leaders.past_attempts)
 
     async def _ask(self, leader, state):  # type: ignore[no-untyped-def]
         """hivemind's join request, and whether the leader accepted this averager meanwhile (hivemind sets
