@@ -1,7 +1,8 @@
 """Matchmaking on a busy machine: a leader that answers a join request late is asked again (trahiv.engine.fixes, 6);
 a follower whose step's deadline passes while its leader assembles the group, or while the leader's answer to its join
-request is on its way, still gets the group (10); a groupmate's part for a group found but not begun yet waits for it
-(11); a round's search keeps the key of its step when the owner moves on to the next
+request is on its way, still gets the group (10); so does one whose group's message, or whose leader's late answer after
+the leader's declared time, came after hivemind's wait for it (6, 10, 12); a groupmate's part for a group found but
+not begun yet waits for it (11); a round's search keeps the key of its step when the owner moves on to the next
 (trahiv.engine.averagers.EpochKeyedMatchmaking).
 
 Three averagers in their own processes on loopback: a leader and two followers in client mode. The leader holds its

@@ -49,15 +49,15 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    then (or a leader with followers, about to assemble). The leader counts it in, sends it the group, and runs the
    all-reduce without its part; it reports no group (seen in `benchmarks/diloco.py`, about once in 120 syncs of 4
    peers on 2 busy cores: the others' round partial, 28.6% of the values unaveraged, the peer that gave up on its
-   own). Such an averager now waits up to `request_timeout` more for that group, and so does one whose join request
-   still awaits its answer (its leader may have accepted it and assembled at once: a DiLoCo peer in clean-clone run
-   BH, 2026-11-28, gave up its search while its group averaged for 10 s without its part), once more if it is
-   accepted in that time; and while a join request its leader accepted, or the one asking that leader again after it
-   (6), is under way, up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout`: a follower whose leader assembled as its
-   declared time ran out, the group's message arriving after hivemind's wait for it (a busy machine; the test holds it
-   1 s), found no group while the leader's round went on without its part (tests/test_matchmaking.py): the signature
-   of the DiLoCo syncs that failed in clean-clone runs CK and EY (stops 47 and 60), whose logs did not say which way
-   they came to it.
+   own). Such an averager now waits for that group: a leader with followers, or one whose join request still awaits
+   its answer (its leader may have accepted it and assembled at once: a DiLoCo peer in clean-clone run BH, 2026-11-28,
+   gave up its search while its group averaged for 10 s without its part), up to `request_timeout` more; one accepted
+   by its leader, or whose request that leader accepted is under way (or the one asking that leader again after it,
+   6), up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout`: a follower whose leader assembled as its declared time ran
+   out, the group's message arriving after hivemind's wait for it (a busy machine; the test holds it 1.5 s), found no
+   group while the leader's round went on without its part (tests/test_matchmaking.py): the signature of the DiLoCo
+   syncs that failed in clean-clone runs CK and EY (stops 47 and 60), whose logs did not say which way they came to
+   it.
 11. A groupmate's parts that arrive before this averager began the group's all-reduce: a reducer answers a part for a
    group it does not run yet with BAD_GROUP_ID, unless hivemind's one event says a group is about to register. The
    event is set whenever a group of this averager ends, so in background mode (`delay_grad_averaging`: step k's round
@@ -739,24 +739,20 @@ def _finish_groups_in_assembly() -> None:
 
     async def _wait_for_assembly(self) -> bool:  # type: ignore[no-untyped-def]
         """After the step's deadline: whether the group assembled within the grace. The grace lasts while this averager
-        is accepted by a leader, leads followers, or awaits a leader's answer to its join request (the leader may have
-        accepted it and assembled at once, the group then already counting it in): `request_timeout`, once more if it
-        was accepted during the first (its leader then assembles at the latest when its declaration, which ends before
-        this averager's, runs out). A join request the leader accepted, and the one asking that leader again when no
-        group came (fix 6), are awaited past that, up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout` in all: the
-        leader's group counts this averager in."""
+        leads followers, or awaits a leader's answer to its join request (the leader may have accepted it and assembled
+        at once, the group then already counting it in): `request_timeout`. While this averager is accepted by a
+        leader, or a join request the leader accepted is under way (the one asking that leader again when no group
+        came, fix 6), up to `GRACE_ACCEPTED_TIMEOUTS` x `request_timeout`: that leader's group counts this averager in
+        (it assembles at the latest when its declaration, which ends before this averager's, runs out)."""
         began = time.monotonic()
-        grace_end, hard_end = began + self.request_timeout, began + GRACE_ACCEPTED_TIMEOUTS * self.request_timeout
-        accepted = self.current_leader is not None
+        grace_end, accepted_end = began + self.request_timeout, began + GRACE_ACCEPTED_TIMEOUTS * self.request_timeout
         logger.debug(f"{self} - the step's deadline passed: waiting for a group in assembly, if any")
         while not self.assembled_group.done():
             in_flight: dict[Any, dict[str, bool]] = getattr(self, "_trahiv_join_requests", {})
             if self.current_leader is None and not self.current_followers and not in_flight:
                 return False  # nothing under way: no group can count this averager in
-            if not accepted and self.current_leader is not None and time.monotonic() >= grace_end:
-                grace_end, accepted = time.monotonic() + self.request_timeout, True  # accepted during the grace
-            end = hard_end if any(state["accepted"] for state in in_flight.values()) else grace_end
-            left = min(end, hard_end) - time.monotonic()
+            accepted = self.current_leader is not None or any(state["accepted"] for state in in_flight.values())
+            left = (accepted_end if accepted else grace_end) - time.monotonic()
             if left <= 0:
                 return False
             await asyncio.wait({self.assembled_group, *in_flight}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
