@@ -603,7 +603,7 @@ def _retry_late_leaders() -> None:
         in_flight = self.__dict__.setdefault("_trahiv_join_requests", {})  # its future -> {"accepted": bool}
         in_flight[answered] = state = {"accepted": False}
         try:
-            group = await _ask(self, leader, state)
+            group, accepted = await _ask(self, leader, state)
             if group is None and self.is_looking_for_group and not self.assembled_group.done():
                 # A leader that counted this averager in sends the group to a member asking again (fix 12): ask once
                 # more, now, if it may have. (1) It accepted this averager, then no group came: its answer ended at
@@ -616,7 +616,7 @@ def _retry_late_leaders() -> None:
                 # expected peer) counts this averager in as the answer leaves, which a busy machine can delay past
                 # request_timeout; while its declaration stands it goes back to the queue instead (below), and a
                 # leader asked again after its time is over never was (tests/test_matchmaking.py)
-                if state["accepted"]:
+                if accepted:
                     why = "accepted this averager, then no group came"
                 elif time.monotonic() - began >= self.request_timeout and not _declared_until_later(self, leader):
                     why = f"did not answer within {self.request_timeout} s, and the time it declared is over"
@@ -624,7 +624,7 @@ def _retry_late_leaders() -> None:
                     why = ""
                 if why:
                     logger.debug(f"Leader {leader} {why}: asking it again")
-                    group = await _ask(self, leader, state)
+                    group, _ = await _ask(self, leader, state)
         finally:
             del in_flight[answered]
             answered.set_result(None)
@@ -646,20 +646,18 @@ def _retry_late_leaders() -> None:
         return any(peer == leader and expiration > now for peer, expiration in self.potential_leaders.past_attempts)
 
     async def _ask(self, leader, state):  # type: ignore[no-untyped-def]
-        """hivemind's join request; `state` is marked accepted if the leader accepted this averager meanwhile (hivemind
-        sets `was_accepted_to_group` on ACCEPTED and clears it as the request ends: watched from a task of its own,
-        which marks it as the answer arrives, for fix 10's grace while the request goes on, and read once more as the
-        request ends, for an answer that ended right after ACCEPTED)."""
+        """hivemind's join request, and whether the leader accepted this averager meanwhile (hivemind sets
+        `was_accepted_to_group` on ACCEPTED and clears it as the request ends: watched from a task of its own, which
+        also marks `state` accepted as the answer arrives)."""
         accepted = asyncio.ensure_future(self.was_accepted_to_group.wait())
         accepted.add_done_callback(lambda done: done.cancelled() or state.update(accepted=True))
         try:
             group = await original(self, leader)
         finally:
             await asyncio.sleep(0)  # (a set() in the request's last step reaches the watcher first)
-            if accepted.done() and not accepted.cancelled():
-                state["accepted"] = True
+            was_accepted = accepted.done() and not accepted.cancelled()
             accepted.cancel()
-        return group
+        return group, was_accepted
 
     _request_join_group._trahiv_retry_late_leaders = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "_request_join_group", _request_join_group)
