@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
-PEER_LOG_LINES = 60  # the last lines of each peer's log shown with a failure
-PEER_LOG_CHARS = 40_000  # at most this much of all the logs of one failed test
+PEER_LOG_LINES = 150  # the last lines of each peer's log shown with a failure (a matchmaking trail: up to 60)
+PEER_LOG_CHARS = 80_000  # at most this much of all the logs of one failed test
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -155,6 +156,25 @@ def debug_logs() -> Iterator[None]:
             logger.propagate = propagate
 
 
+@contextlib.contextmanager
+def info_logs() -> Iterator[None]:
+    """trahiv's INFO lines to stderr, as a peer shows them (`trahiv.swarm.show_swarm_events`), also in the averager
+    processes forked meanwhile."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(process)d [%(name)s] %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("trahiv")
+    saved = root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+
+
 def run_late_leader(
     stack: ExitStack,
     leader_cls: Any,
@@ -162,17 +182,22 @@ def run_late_leader(
     *,
     hold_s: float = FOLLOWER_TIMEOUT_S + ASSEMBLY_LATE_S,
     leader_declares_s: float = 3.0,
+    debug: bool = True,
+    peers: list[str] | None = None,
     **common: Any,
 ) -> tuple[list[Any], list[torch.Tensor]]:
     """A leader (declares `leader_declares_s`, 3 s by default; `leader_cls(hold_until)`) and a client-mode follower
     (its step: 4 s); the leader's fault (late assembly, late answer) lasts until `hold_s` after the steps begin (by
     default 0.5 s after the follower's deadline). Returns the step results and each averager's tensors afterwards (the
-    steps' durations go to the debug log, shown with a failure)."""
-    stack.enter_context(debug_logs())
+    steps' durations go to the debug log, shown with a failure). `debug=False`: INFO lines only, as a peer logs;
+    `peers` gets the leader's and the follower's peer IDs."""
+    stack.enter_context(debug_logs() if debug else info_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
     for dht in dhts:
         stack.callback(dht.shutdown)
+    if peers is not None:
+        peers += [str(dht.peer_id) for dht in dhts]
     hold_until = mp.Value("d", 0.0)
     common = dict(prefix=prefix, min_group_size=2, start=True, **common)
     averagers = [
@@ -562,7 +587,7 @@ def group_message_sent_late(hold_until: Any) -> type[ReportingAverager]:
     return GroupMessageSentLate
 
 
-def run_group_message_late(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+def run_group_message_late(stack: ExitStack, **kwargs: Any) -> tuple[list[Any], list[torch.Tensor]]:
     """The leader assembles at 3 s; the follower (declared 3.5 s, step 4 s) waits for the group message until 4.5 s
     (5 s at the latest); it leaves the leader at 5.5 s."""
     return run_late_leader(
@@ -571,6 +596,7 @@ def run_group_message_late(stack: ExitStack) -> tuple[list[Any], list[torch.Tens
         "group_message_late",
         request_timeout=BEGIN_REQUEST_TIMEOUT_S,
         hold_s=FOLLOWER_TIMEOUT_S + BEGIN_LATE_S,
+        **kwargs,
     )
 
 
@@ -580,13 +606,28 @@ def test_a_follower_that_gave_up_waiting_for_its_group_asks_again_and_gets_it():
     assert_averaged_together(results, tensors)
 
 
-def test_with_hiveminds_request_the_follower_gives_up_on_the_group_that_counted_it_in(monkeypatch):
+def test_with_hiveminds_request_the_follower_gives_up_on_the_group_that_counted_it_in(monkeypatch, capfd):
     """The control: hivemind's join request, the same timing. The follower's wait for the group ends at its declared
     time + request_timeout, after its step's deadline; the leader's round goes on without its part and the follower
-    finds no group: the signature of the DiLoCo syncs of clean-clone runs CK (stop 47) and EY (stop 60)."""
+    finds no group: the signature of the DiLoCo syncs of clean-clone runs CK (stop 47) and EY (stop 60).
+    Logged at INFO, as a peer logs, each averager tells its matchmaking trail (trahiv.engine.trail): the follower's
+    search and the leader's partial round, each with the other's side of the story."""
     # the averager processes fork with hivemind's
     monkeypatch.setattr(Matchmaking, "_request_join_group", Matchmaking._request_join_group.__wrapped__)
+    peers: list[str] = []
     with ExitStack() as stack:
-        results, tensors = run_group_message_late(stack)
+        results, tensors = run_group_message_late(stack, debug=False, peers=peers)
+    leader, follower = peers
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
+    err = capfd.readouterr().err
+    trails = {
+        head.split(" (")[0]: body for head, body in re.findall(r"Matchmaking trail of (.*?):\n((?:  \+.*\n?)+)", err)
+    }
+    assert set(trails) == {"this search", "this round"}, err
+    assert f"joining the group of {leader}, waiting for peers" in trails["this search"], trails
+    assert f"{follower} asked to join: answered ACCEPTED" in trails["this round"], trails
+    assert f"{follower} asked to join: answered BEGIN_ALLREDUCE" in trails["this round"], trails
+    assert f"{leader} - assembled group of 2 peers" in trails["this round"], trails
+    # the DEBUG lines were kept for the trails, not shown
+    assert all(line.startswith("  +") for line in err.splitlines() if "looking for a group under" in line), err

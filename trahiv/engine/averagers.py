@@ -64,10 +64,12 @@ from trahiv.engine import fixes
 from trahiv.engine.allreduce import run_robust_allreduce_
 from trahiv.engine.fixes import EPOCH_KEY_BITS
 from trahiv.engine.traffic import Traffic, TrafficCountingRunner
+from trahiv.engine.trail import matchmaking_trail
 
 fixes.apply()  # the engine's fixes hold wherever its averagers run
 logger = logging.getLogger("trahiv.averaging")
 _ROUND_REPORTED: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("trahiv_round_reported")
+_STEP_BEGAN: contextvars.ContextVar[float] = contextvars.ContextVar("trahiv_step_began")  # time.time(): engine.trail
 # Averaging steps running in this (averager) process. hivemind 1.1.12 starts each as `asyncio.create_task` and keeps
 # no reference to it (DecentralizedAverager._run_internal); asyncio holds tasks weakly, and a step waiting on a future
 # that only its own frame references is a garbage cycle: the garbage collector destroyed one mid-round ("Task was
@@ -898,8 +900,9 @@ class ReportingMixin:
 
             averager: Any = self
             step._data_for_gather = tag_for_ring(averager.serializer, step.data_for_gather)
+        trail, began = matchmaking_trail(), time.time()  # (what its search did: told if it goes wrong)
         started, reported = time.perf_counter(), [False]
-        token = _ROUND_REPORTED.set(reported)  # child tasks share the list: _report_round marks it
+        token, began_token = _ROUND_REPORTED.set(reported), _STEP_BEGAN.set(began)  # (seen by its child tasks too)
         running = asyncio.current_task()
         if running is not None:
             _RUNNING_STEPS.add(running)  # (see _RUNNING_STEPS: not collected while it runs)
@@ -908,12 +911,14 @@ class ReportingMixin:
         finally:
             _RUNNING_STEPS.discard(running)  # type: ignore[arg-type]
             _ROUND_REPORTED.reset(token)
+            _STEP_BEGAN.reset(began_token)
             error = step.exception() if step.done() and not step.cancelled() else None
             if error is not None and not reported[0]:
                 seconds = time.perf_counter() - started
                 why = f"no averaging group formed ({error!r})"
                 report = RoundReport(peers=(), total_values=0, seconds=seconds, payload_bytes=0, error=why)
                 logger.info(report.describe())
+                trail.tell(began, "this search", only_if_asked=True)  # (a lone peer's search: nothing to tell)
                 self._send_report(report)
 
     def _report_round(self, group_id: bytes, seconds: float, payload: int, error: BaseException | None) -> None:
@@ -930,7 +935,9 @@ class ReportingMixin:
         report = future.result().report(seconds, payload, error)
         if report.complete and self.deadlines is not None:
             self.deadlines.observe(payload, len(report.peers), seconds)
-        (logger.debug if report.complete else logger.warning)(report.describe())
+        (logger.debug if report.complete else logger.warning)(report.describe(), extra={"trail": True})  # (not kept)
+        if not report.complete:
+            matchmaking_trail().tell(_STEP_BEGAN.get(time.time() - seconds), "this round")
         self._send_report(report)
 
     def _send_report(self, report: RoundReport) -> None:

@@ -115,6 +115,7 @@ if TYPE_CHECKING:
     import torch  # imported where used: this package's import stays cheap (the CLI checks its input first)
 
 logger = logging.getLogger("trahiv.averaging")
+join_logger = logging.getLogger("trahiv.averaging.join")  # join requests sent and answered (engine.trail)
 
 HIVEMIND_VERSION = "1.1.12"
 EPOCH_KEY_BITS = 16  # matchmaking keys carry the collaborative step modulo 2**EPOCH_KEY_BITS
@@ -597,6 +598,9 @@ def _retry_late_leaders() -> None:
 
     async def _request_join_group(self, leader):  # type: ignore[no-untyped-def]
         began = time.monotonic()
+        declared = [expiration for peer, expiration in self.potential_leaders.past_attempts if peer == leader]
+        until = f", its declared time {max(declared) - get_dht_time():+.2f} s" if declared else ""
+        join_logger.debug(f"asking {leader} to lead{until}")
         # (while its answer is awaited, fix 10 keeps the search open past its deadline: see _wait_for_assembly; and
         # while an accepted request, or the request asking again that follows it, is under way: `accepted`)
         answered = asyncio.get_running_loop().create_future()
@@ -670,6 +674,7 @@ def _pace_matchmaking_lookups() -> None:
     import asyncio
 
     from hivemind.averaging.key_manager import GroupKeyManager
+    from hivemind.utils.timed_storage import get_dht_time
 
     original = GroupKeyManager.get_averagers
     if getattr(original, "_trahiv_paced", False):
@@ -680,7 +685,12 @@ def _pace_matchmaking_lookups() -> None:
         if wait > 0:
             await asyncio.sleep(wait)
         self._trahiv_next_lookup = time.monotonic() + MATCHMAKING_LOOKUP_PERIOD
-        return await original(self, group_key, only_active)
+        found = await original(self, group_key, only_active)
+        if logger.isEnabledFor(logging.DEBUG) and set(found) != getattr(self, "_trahiv_last_found", None):
+            self._trahiv_last_found, now = set(found), get_dht_time()  # (told when it changed: engine.trail)
+            listed = ", ".join(f"{peer} ({expiration - now:+.2f} s)" for peer, expiration in sorted(found)) or "nobody"
+            logger.debug(f"lookup of {group_key}: {listed}")
+        return found
 
     get_averagers._trahiv_paced = True  # type: ignore[attr-defined]
     _replace(GroupKeyManager, "get_averagers", get_averagers)
@@ -711,6 +721,8 @@ def _finish_groups_in_assembly() -> None:
             pinned = SEARCH_BITS.get()  # (trahiv: the bits of this step's round, see EpochKeyedMatchmaking)
             if pinned is not None and pinned != self.group_key_manager.group_bits:
                 self.group_key_manager.group_bits = pinned
+            key, timeout = self.group_key_manager.current_key, step.get_timeout()
+            logger.debug(f"looking for a group under {key}, for {timeout:.2f} s")
             request_leaders_task = asyncio.create_task(self._request_join_potential_leaders(step))
             try:
                 done, _ = await asyncio.wait({self.assembled_group}, timeout=step.get_timeout())
@@ -943,6 +955,7 @@ def _send_the_group_to_a_member_asking_again() -> None:
         )
         if group is None:
             async for message in join(self, request, context):
+                join_logger.debug(f"{peer} asked to join: answered {averaging_pb2.MessageCode.Name(message.code)}")
                 yield message
             return
         logger.debug(f"{self} - {peer} asks to join again; it is in group {group.group_id.hex()[:8]}: sending it")
