@@ -21,7 +21,7 @@ import os
 import re
 
 TRAIL_LOGGERS = ("hivemind.averaging.matchmaking", "trahiv.averaging")
-JOIN_LOGGER = "trahiv.averaging.join"  # join requests sent and answered, lookups' leaders: engine.fixes, averagers
+JOIN_LOGGER = "trahiv.averaging.join"  # join requests sent and answered (engine.fixes)
 # the loggers whose lines mean this averager asked or was asked: a search with none of them is a lone peer's
 INTERACTION_LOGGERS = ("hivemind.averaging.matchmaking", JOIN_LOGGER)
 TRAIL_KEPT = 400  # lines kept per averager process (a step of a busy search: a few dozen)
