@@ -177,19 +177,24 @@ def recording_averager(base: type[DiLoCoAverager], path: Path) -> type[DiLoCoAve
 def faulty_averager(base: type[DiLoCoAverager], at_round: int, fault: str, root: int) -> type[DiLoCoAverager]:
     """An averager whose all-reduce number `at_round` (from 1) meets `fault`:
     - "fail": it fails at once: its group counted it in, and it sends nothing (as when its search ended as the group
-      assembled);
+      assembled); so does every later all-reduce of that group (its search, which goes on, asks the groupmate whose
+      part for it arrives for the group and is sent it: trahiv.engine.fixes, 15);
     - "crash": as soon as it is over for the groupmates too (it returned, and each of them closed its stream of the
       parts this peer reduced: it had them all; 10 s at most), SIGKILL the peer's process tree (from `root`: the
       training process, its DHT, p2pd and averagers)."""
 
     class FaultyDiLoCoAverager(base):  # type: ignore[misc,valid-type]
         rounds = 0
+        failed_group: bytes | None = None
 
         async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs):
             type(self).rounds += 1
+            if fault == "fail" and group_info.group_id == type(self).failed_group:
+                raise AllreduceException("injected: this peer's all-reduce of that group failed again")
             if type(self).rounds != at_round:
                 return await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
             if fault == "fail":
+                type(self).failed_group = group_info.group_id
                 raise AllreduceException("injected: this peer's all-reduce failed before it sent a part")
             await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)
             deadline = time.monotonic() + 10

@@ -184,13 +184,14 @@ def run_late_leader(
     leader_declares_s: float = 3.0,
     debug: bool = True,
     peers: list[str] | None = None,
+    follower_client: bool = True,
     **common: Any,
 ) -> tuple[list[Any], list[torch.Tensor]]:
     """A leader (declares `leader_declares_s`, 3 s by default; `leader_cls(hold_until)`) and a client-mode follower
     (its step: 4 s); the leader's fault (late assembly, late answer) lasts until `hold_s` after the steps begin (by
     default 0.5 s after the follower's deadline). Returns the step results and each averager's tensors afterwards (the
     steps' durations go to the debug log, shown with a failure). `debug=False`: INFO lines only, as a peer logs;
-    `peers` gets the leader's and the follower's peer IDs."""
+    `peers` gets the leader's and the follower's peer IDs; `follower_client=False`: the follower reduces a part too."""
     stack.enter_context(debug_logs() if debug else info_logs())
     dhts = [hivemind.DHT(start=True, nat_port_map=False)]
     dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
@@ -202,7 +203,9 @@ def run_late_leader(
     common = dict(prefix=prefix, min_group_size=2, start=True, **common)
     averagers = [
         leader_cls(hold_until)([torch.zeros(4)], dht=dhts[0], min_matchmaking_time=leader_declares_s, **common),
-        ReportingAverager([torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=True, **common),
+        ReportingAverager(
+            [torch.ones(4)], dht=dhts[1], min_matchmaking_time=3.5, client_mode=follower_client, **common
+        ),
     ]
     for averager in averagers:
         stack.callback(averager.shutdown)
@@ -631,3 +634,68 @@ def test_with_hiveminds_request_the_follower_gives_up_on_the_group_that_counted_
     assert f"{leader} - assembled group of 2 peers" in trails["this round"], trails
     # the DEBUG lines were kept for the trails, not shown
     assert all(line.startswith("  +") for line in err.splitlines() if "looking for a group under" in line), err
+
+
+# --- 15. a member counted into a group it never heard of asks the sender of that group's part -------------------------
+
+
+def counts_in_without_telling(hold_until: Any) -> type[ReportingAverager]:
+    class CountsInWithoutTelling(ReportingAverager):
+        """To the first join request (the follower's): counts it into a group assembled at once, and answers
+        NOT_LOOKING_FOR_GROUP, the group's message never reaching it. The end state of the DiLoCo syncs of clean-clone
+        runs CK, EY and FH (one peer's round without the other's part, the other's search without a group), reached
+        by a way their logs did not show. Later requests get the averager's own answers (12 and 15 included).
+        (`hold_until`, run_late_leader's, is not used: nothing here is late.)"""
+
+        async def rpc_join_group(
+            self, request: averaging_pb2.JoinRequest, context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+            matchmaking = self._matchmaking
+            if not getattr(self, "_told_nothing", False):
+                self._told_nothing = True  # (in the averager's process, once)
+                async with matchmaking.lock_request_join_group:
+                    matchmaking.current_followers[context.remote_id] = request
+                    try:
+                        await matchmaking.leader_assemble_group()
+                    finally:
+                        del matchmaking.current_followers[context.remote_id]
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+                return
+            async for message in super().rpc_join_group(request, context):
+                yield message
+
+    return CountsInWithoutTelling
+
+
+def run_counted_in_without_telling(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor]]:
+    """A leader that counts the follower in without telling it, and a follower that reduces a part (not a client; parts
+    of 2 values: with hivemind's default, the 4 values are one part, reduced by the group's first peer, which half the
+    time was the leader, and nothing came to the follower: clean-clone run FK, stop 62): the leader's part for it
+    arrives while its search goes on."""
+    return run_late_leader(
+        stack,
+        counts_in_without_telling,
+        "counted_in_untold",
+        request_timeout=1.0,
+        follower_client=False,
+        part_size_bytes=8,
+    )
+
+
+def test_a_member_counted_into_a_group_it_never_heard_of_asks_the_sender_of_its_part():
+    with ExitStack() as stack:
+        results, tensors = run_counted_in_without_telling(stack)
+    assert_averaged_together(results, tensors)
+
+
+def test_without_asking_the_sender_the_member_finds_no_group_and_the_round_goes_on_without_it(monkeypatch):
+    """The control: the follower's search does not ask the sender of a part for a group it does not know."""
+    from hivemind.averaging.matchmaking import PotentialLeaders
+
+    # the averager processes fork with hivemind's
+    monkeypatch.setattr(PotentialLeaders, "pop_next_leader", PotentialLeaders.pop_next_leader.__wrapped__)
+    with ExitStack() as stack:
+        results, tensors = run_counted_in_without_telling(stack)
+    assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
+    assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
+    assert not torch.equal(tensors[0], torch.full((4,), 0.5)), tensors  # the leader's round went on without it

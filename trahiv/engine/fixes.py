@@ -76,7 +76,7 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    its deadline without a group (the signature of a DiLoCo sync in clean-clone run CK, 2026-11-28: "sent
    BAD_GROUP_ID" 0.05 s after the other's search ended). A leader now sends a member of a group it led that asks again
    (same key and schema) that group, while its round of it has not begun or has nothing from that member yet
-   (tests/test_matchmaking.py).
+   (tests/test_matchmaking.py); so does a follower of a group (15).
 13. A cancelled step whose search goes on: `StepControl.cancel` tells the averager process (its cancel future) before
    it marks the step cancelled, and the averager, woken by that future, reads the step as not cancelled and awaits its
    search instead, until that search ends (the step's deadline: up to `averaging_timeout`). Meanwhile it held the
@@ -93,6 +93,13 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    engine process now moves what it inherited to the collector's permanent generation as it starts (`gc.freeze()`,
    in the guarded `run` of fix 2): its collections walk only its own objects, and no longer write to (and so copy)
    the memory pages it shares with the trainer (tests/test_engine.py).
+15. A member counted into a group it never heard of: a group can hold a peer whose answer or group message was lost
+   (12 and 6 cover the ways known; the DiLoCo syncs of clean-clone runs CK, EY and FH came to this end by a way their
+   INFO logs did not show: in FH, one peer's round began 0.02 s after the other's search, which went on 6 s without a
+   group, holding that round's part all along, 11). Its groupmates' parts reach it while it searches, for a group it
+   does not know. Such a part now makes the search ask its sender next (`PotentialLeaders.pop_next_leader` wrapped:
+   whatever the time the sender declared, once per group), and the sender, a member of that group (its leader or a
+   follower), sends it the group (12): it joins the round that counted it in (tests/test_matchmaking.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -125,7 +132,7 @@ FOUND_GROUP_POLL = 0.1  # seconds between looks at a found group's step while a 
 # a join request its leader accepted (and the one asking again after it, fix 6) keeps a search past its deadline up to
 # this many request_timeouts (fix 10): the group message's wait, the second request's answer and its group message
 GRACE_ACCEPTED_TIMEOUTS = 3
-LED_GROUPS_KEPT = 4  # the groups an averager assembled last, as leader, that a member asking again can be sent (fix 12)
+GROUPS_KEPT = 4  # the groups an averager was in last (led or followed) that a member asking again can be sent (12, 15)
 # the group bits of the round whose averaging step runs in this context: its search looks under them alone, whatever
 # the owner sets meanwhile (set by trahiv.engine.averagers.EpochKeyedMatchmaking; read by fix 10's look_for_group)
 SEARCH_BITS: contextvars.ContextVar[str | None] = contextvars.ContextVar("trahiv_search_bits", default=None)
@@ -152,6 +159,7 @@ def apply() -> None:
     _finish_groups_in_assembly()
     _wait_for_found_groups()
     _send_the_group_to_a_member_asking_again()
+    _ask_senders_of_unknown_groups()
     _cancel_the_step_first()
     _applied = True
 
@@ -790,7 +798,11 @@ def _wait_for_found_groups() -> None:
     look, register = Matchmaking.look_for_group, DecentralizedAverager._register_allreduce_group  # (look: fix 10's)
 
     async def look_for_group(self, step):  # type: ignore[no-untyped-def]
-        group = await look(self, step)
+        try:
+            group = await look(self, step)
+        finally:
+            for name in ("_trahiv_senders", "_trahiv_senders_asked"):  # (15: this search's, asked or not)
+                self.potential_leaders.__dict__.pop(name, None)
         found = self.__dict__.setdefault("_trahiv_found_groups", {})  # group id -> (its step, begun)
         for group_id in [group_id for group_id, (control, _) in found.items() if control.done()]:
             del found[group_id]  # (a group whose step ended before it began)
@@ -811,7 +823,7 @@ def _wait_for_found_groups() -> None:
     async def rpc_aggregate_part(self, stream, context):  # type: ignore[no-untyped-def]
         request = await anext(stream)
         if request.group_id not in self._running_groups:
-            await _until_group_begins(self, request.group_id)
+            await _until_group_begins(self, request.group_id, context.remote_id)
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
@@ -860,7 +872,7 @@ async def until_the_receiver_closes() -> None:
     await asyncio.sleep(REFUSAL_DRAIN_S)
 
 
-async def _until_group_begins(averager: Any, group_id: bytes) -> None:
+async def _until_group_begins(averager: Any, group_id: bytes, sender: Any = None) -> None:
     """Wait until this averager runs group `group_id`, while it may still: a group it found (its step awaits its
     trigger) until that step ends or its deadline passes; an unknown group while the search under way as the part
     arrived goes on (the leader's answer with the group may be on its way: hivemind's own case).
@@ -886,6 +898,8 @@ async def _until_group_begins(averager: Any, group_id: bytes) -> None:
                 return
             waiting = begun.wait()
         elif search is not None and matchmaking.step_control is search:
+            if sender is not None and not logged:
+                _ask_the_sender(matchmaking, group_id, sender)  # (15: it may run a group that counted this one in)
             waiting = asyncio.sleep(FOUND_GROUP_POLL)
         else:
             return
@@ -906,17 +920,27 @@ def _send_the_group_to_a_member_asking_again() -> None:
     from hivemind.averaging.matchmaking import Matchmaking
     from hivemind.proto import averaging_pb2
 
-    if getattr(DecentralizedAverager.rpc_join_group, "_trahiv_led_groups", False):
+    if getattr(DecentralizedAverager.rpc_join_group, "_trahiv_kept_groups", False):
         return
     assemble, join = Matchmaking.leader_assemble_group, DecentralizedAverager.rpc_join_group
+    follow = Matchmaking.follower_assemble_group
+
+    def keep(self, group, key) -> None:  # type: ignore[no-untyped-def]
+        kept = self.__dict__.setdefault("_trahiv_kept_groups", {})  # group id -> (the group, the key it formed under)
+        kept[group.group_id] = (group, key)
+        while len(kept) > GROUPS_KEPT:
+            del kept[next(iter(kept))]
 
     async def leader_assemble_group(self):  # type: ignore[no-untyped-def]
         key = self.group_key_manager.current_key
         group = await assemble(self)
-        led = self.__dict__.setdefault("_trahiv_led_groups", {})  # group id -> (the group, the key it formed under)
-        led[group.group_id] = (group, key)
-        while len(led) > LED_GROUPS_KEPT:
-            del led[next(iter(led))]
+        keep(self, group, key)
+        return group
+
+    async def follower_assemble_group(self, leader, msg):  # type: ignore[no-untyped-def]
+        key = self.group_key_manager.current_key
+        group = await follow(self, leader, msg)
+        keep(self, group, key)  # (15: a member asked by a groupmate that never heard of the group sends it too)
         return group
 
     def waiting_for(averager: Any, group: Any, peer: Any) -> bool:
@@ -940,11 +964,11 @@ def _send_the_group_to_a_member_asking_again() -> None:
 
     async def rpc_join_group(self, request, context):  # type: ignore[no-untyped-def]
         matchmaking, peer = self._matchmaking, context.remote_id
-        led = list(getattr(matchmaking, "_trahiv_led_groups", {}).values())
+        kept = list(getattr(matchmaking, "_trahiv_kept_groups", {}).values())
         group = next(
             (
                 group
-                for group, key in reversed(led)
+                for group, key in reversed(kept)
                 if peer in group.peer_ids
                 and peer != matchmaking.peer_id
                 and request.group_key == key
@@ -970,9 +994,63 @@ def _send_the_group_to_a_member_asking_again() -> None:
 
     # hivemind finds an RPC's message types in its annotations (ServicerBase._collect_rpc_handlers): hivemind's own
     rpc_join_group.__annotations__ = typing.get_type_hints(DecentralizedAverager.rpc_join_group)
-    rpc_join_group._trahiv_led_groups = True  # type: ignore[attr-defined]
+    rpc_join_group._trahiv_kept_groups = True  # type: ignore[attr-defined]
     _replace(Matchmaking, "leader_assemble_group", leader_assemble_group)
+    _replace(Matchmaking, "follower_assemble_group", follower_assemble_group)
     _replace(DecentralizedAverager, "rpc_join_group", rpc_join_group)
+
+
+# 15. A member counted into a group it never heard of -------------------------------------------------------------
+
+
+def _ask_the_sender(matchmaking: Any, group_id: bytes, sender: Any) -> None:
+    """A part for group `group_id`, unknown here, came from `sender` while this averager's search goes on: a group
+    counted this averager in and runs without its part. Its search asks `sender` next (a member of that group sends it
+    to a member asking, 12), once per group."""
+    leaders = matchmaking.potential_leaders
+    senders = leaders.__dict__.setdefault("_trahiv_senders", {})  # group id -> its sender, asked or to be asked
+    if group_id in senders or sender == matchmaking.peer_id:
+        return
+    senders[group_id] = sender
+    join_logger.debug(f"a part for group {group_id.hex()[:8]}, unknown here, came from {sender}: asking it next")
+    came = leaders.__dict__.get("_trahiv_sender_came")
+    if came is not None:
+        came.set()
+
+
+def _ask_senders_of_unknown_groups() -> None:
+    import asyncio
+
+    from hivemind.averaging.matchmaking import PotentialLeaders
+
+    original = PotentialLeaders.pop_next_leader
+    if getattr(original, "_trahiv_senders", False):
+        return
+
+    async def pop_next_leader(self):  # type: ignore[no-untyped-def]
+        came = self.__dict__.setdefault("_trahiv_sender_came", asyncio.Event())
+        while True:
+            senders = self.__dict__.get("_trahiv_senders", {})
+            asked = self.__dict__.setdefault("_trahiv_senders_asked", set())
+            sender = next((peer for group_id, peer in senders.items() if group_id not in asked), None)
+            if sender is not None:
+                asked.update(group_id for group_id, peer in senders.items() if peer == sender)
+                return sender  # (not in hivemind's queue: asked whatever its declaration)
+            came.clear()
+            popping, waking = asyncio.ensure_future(original(self)), asyncio.ensure_future(came.wait())
+            try:
+                await asyncio.wait({popping, waking}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waking.cancel()
+                if not popping.done():
+                    popping.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await popping
+            if popping.done() and not popping.cancelled():
+                return popping.result()  # (a leader, or hivemind's TimeoutError)
+
+    pop_next_leader._trahiv_senders = True  # type: ignore[attr-defined]
+    _replace(PotentialLeaders, "pop_next_leader", pop_next_leader)
 
 
 # 13. A cancelled step whose search goes on --------------------------------------------------------------------------

@@ -444,6 +444,15 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.matchmaking:Matchmaking", "potential_leaders", "instance", None),
     Internal("hivemind.averaging.matchmaking:PotentialLeaders", "past_attempts", "instance", None),
     Internal("hivemind.averaging.matchmaking:PotentialLeaders", "leader_queue", "instance", None),
+    # trahiv.engine.fixes, 12 and 15: a member sends a group it followed; a search asks the sender of an unknown group's part
+    Internal("hivemind.averaging.matchmaking:PotentialLeaders", "pop_next_leader", "method", "(self) -> 'PeerID'"),
+    Internal(
+        "hivemind.averaging.matchmaking:Matchmaking",
+        "follower_assemble_group",
+        "method",
+        "(self, leader: 'PeerID', msg: 'averaging_pb2.MessageFromLeader') -> 'GroupInfo'",
+    ),
+    Internal("hivemind.averaging.matchmaking:Matchmaking", "step_control", "instance", None),
     # trahiv.engine.dht_stats: the DHT's messages, counted in its clients and at its handlers' registration
     Internal(
         "hivemind.dht.protocol:DHTProtocol",
