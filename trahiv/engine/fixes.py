@@ -801,7 +801,7 @@ def _wait_for_found_groups() -> None:
         try:
             group = await look(self, step)
         finally:
-            for name in ("_trahiv_senders", "_trahiv_senders_asked"):  # (15: this search's, asked or not)
+            for name in ("_trahiv_senders", "_trahiv_unknown_groups"):  # (15: this search's, asked or not)
                 self.potential_leaders.__dict__.pop(name, None)
         found = self.__dict__.setdefault("_trahiv_found_groups", {})  # group id -> (its step, begun)
         for group_id in [group_id for group_id, (control, _) in found.items() if control.done()]:
@@ -1008,10 +1008,11 @@ def _ask_the_sender(matchmaking: Any, group_id: bytes, sender: Any) -> None:
     counted this averager in and runs without its part. Its search asks `sender` next (a member of that group sends it
     to a member asking, 12), once per group."""
     leaders = matchmaking.potential_leaders
-    senders = leaders.__dict__.setdefault("_trahiv_senders", {})  # group id -> its sender, asked or to be asked
-    if group_id in senders or sender == matchmaking.peer_id:
+    unknown = leaders.__dict__.setdefault("_trahiv_unknown_groups", set())  # (this search's: fix 11's look_for_group)
+    if group_id in unknown or sender == matchmaking.peer_id:
         return
-    senders[group_id] = sender
+    unknown.add(group_id)
+    leaders.__dict__.setdefault("_trahiv_senders", []).append(sender)  # to ask, in the order their parts came
     join_logger.debug(f"a part for group {group_id.hex()[:8]}, unknown here, came from {sender}: asking it next")
     came = leaders.__dict__.get("_trahiv_sender_came")
     if came is not None:
@@ -1030,12 +1031,9 @@ def _ask_senders_of_unknown_groups() -> None:
     async def pop_next_leader(self):  # type: ignore[no-untyped-def]
         came = self.__dict__.setdefault("_trahiv_sender_came", asyncio.Event())
         while True:
-            senders = self.__dict__.get("_trahiv_senders", {})
-            asked = self.__dict__.setdefault("_trahiv_senders_asked", set())
-            sender = next((peer for group_id, peer in senders.items() if group_id not in asked), None)
-            if sender is not None:
-                asked.update(group_id for group_id, peer in senders.items() if peer == sender)
-                return sender  # (not in hivemind's queue: asked whatever its declaration)
+            senders = self.__dict__.get("_trahiv_senders")
+            if senders:
+                return senders.pop(0)  # (not in hivemind's queue: asked whatever its declaration)
             came.clear()
             popping, waking = asyncio.ensure_future(original(self)), asyncio.ensure_future(came.wait())
             try:
