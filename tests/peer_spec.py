@@ -74,6 +74,8 @@ class PeerSpec(_Common):
     metrics: dict[str, Any] | None = None
     poison_state: bool = False
     faults: list[Fault] = []
+    progress_recheck_s: float | None = Field(None, gt=0, description="SwarmOptimizer's PROGRESS_RECHECK_PERIOD")
+    tells: bool = True  # False: this peer does not tell its groupmates as its round begins (an older peer)
 
 
 class DiLoCoPeerSpec(_Common):

@@ -36,8 +36,10 @@ from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
 from trahiv.demo import BlockDataset
+from trahiv.engine import optimizer as optimizer_module
 from trahiv.engine.averagers import RobustGradientAverager, RobustTrainingStateAverager
 from trahiv.engine.optimizer import SwarmOptimizer
+from trahiv.engine.tell import TellsGroupmates
 from trahiv.swarm import Swarm
 
 
@@ -336,6 +338,14 @@ def main(spec_path: str) -> int:
         Swarm.grad_averager_cls = byzantine_averager(attacks, out / "attacks.jsonl", armed, once)
     if spec.get("poison_state"):
         SwarmOptimizer.state_averager_cls = PoisonedStateAverager
+    if spec.get("progress_recheck_s") is not None:  # (read at each wait: the averager processes are not concerned)
+        optimizer_module.PROGRESS_RECHECK_PERIOD = spec["progress_recheck_s"]
+    if not spec.get("tells", True):  # (before the averager processes fork)
+
+        async def tell_nobody(self, group_info):
+            return None
+
+        TellsGroupmates.tell_groupmates = tell_nobody
     dataset = BlockDataset.load(Path(spec["workdir"]) / "blocks.pt")
     model = build_model(spec)
     if spec.get("init_seed") is not None:  # weights of its own (as LoRA adapters initialized at random are)

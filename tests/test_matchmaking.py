@@ -35,7 +35,13 @@ from hivemind.proto import averaging_pb2
 from swarm_helpers import step_together, wait_for
 
 from trahiv import engine
-from trahiv.engine.averagers import EpochKeyedMatchmaking, ReportingAverager, epoch_group_bits
+from trahiv.engine.averagers import (
+    EpochKeyedMatchmaking,
+    ReportingAverager,
+    ReportingGradientAverager,
+    epoch_group_bits,
+)
+from trahiv.engine.tell import told
 
 engine.apply()
 
@@ -699,3 +705,85 @@ def test_without_asking_the_sender_the_member_finds_no_group_and_the_round_goes_
     assert not isinstance(results[1], dict) and "could not find a group" in repr(results[1]), results
     assert torch.equal(tensors[1], torch.ones(4)), tensors  # the follower kept its own values
     assert not torch.equal(tensors[0], torch.full((4,), 0.5)), tensors  # the leader's round went on without it
+
+
+# --- trahiv.engine.tell: an averager that begins its round tells its groupmates -------------------------------------
+
+
+def parts_counted(parts: Any, handler: bool = True) -> type[ReportingGradientAverager]:
+    class PartsCounted(ReportingGradientAverager):
+        """Counts the part streams that reach it (`parts`). `handler=False`: a peer before trahiv.engine.tell, which
+        has no handler for the message (hivemind registers the `rpc_` functions of the class)."""
+
+        async def rpc_aggregate_part(
+            self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.AveragingData]:
+            with parts.get_lock():
+                parts.value += 1
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+
+    if not handler:
+        PartsCounted.rpc_trahiv_round_began = None  # type: ignore[assignment,method-assign]
+    return PartsCounted
+
+
+def run_one_begins_first(stack: ExitStack, *, handler: bool) -> tuple[list[Any], list[torch.Tensor], bool]:
+    """Gradient averagers a (gradients 0) and b (gradients 1) schedule a round and find their group; a's round is
+    triggered, b's once a's first part reached b (and, with b's handler, once b's step was told). Returns both rounds'
+    results, both averaged gradients, and whether b's step was told (`trahiv.engine.tell.told`) before its trigger."""
+    dhts = [hivemind.DHT(start=True, nat_port_map=False)]
+    dhts.append(hivemind.DHT(start=True, nat_port_map=False, initial_peers=dhts[0].get_visible_maddrs()))
+    for dht in dhts:
+        stack.callback(dht.shutdown)
+    parts = mp.Value("i", 0)
+    common = dict(prefix="told", min_group_size=2, target_group_size=2, min_matchmaking_time=2.0, start=True)
+    params = [torch.nn.Parameter(torch.zeros(SIZE)) for _ in "ab"]
+    a = ReportingGradientAverager([params[0]], dht=dhts[0], **common)
+    b = parts_counted(parts, handler)([params[1]], dht=dhts[1], **common)
+    for averager, param, grad in ((a, params[0], 0.0), (b, params[1], 1.0)):
+        stack.callback(averager.shutdown)
+        param.grad = torch.full((SIZE,), grad)
+        averager.accumulate_grads_(batch_size=1)
+    controls = [averager.schedule_step(timeout=30.0) for averager in (a, b)]
+    found = (AveragingStage.AWAITING_TRIGGER,)
+    wait_for(lambda: all(control.stage in found for control in controls), 30, "the group found by both")
+    assert not any(told(control) for control in controls)
+    a.step(control=controls[0], wait=False)
+    # (with the handler, until b is told: a waits up to TELL_FIRST_S for the acknowledgement before its tensors go,
+    # which on a busy machine may not be enough for the message's handler to run first)
+    wait_for(lambda: parts.value > 0 and (told(controls[1]) or not handler), 30, "a's part at b (and b told)")
+    b_told = told(controls[1])
+    assert controls[1].stage == AveragingStage.AWAITING_TRIGGER  # (the message triggers nothing: the owner does)
+    b.step(control=controls[1], wait=False)
+    results = []
+    for control in controls:
+        try:
+            results.append(control.result(timeout=30))
+        except Exception as e:
+            results.append(e)
+    grads = []
+    for averager in (a, b):
+        with averager.get_tensors() as (tensor,):
+            grads.append(tensor.clone())
+    return results, grads, b_told
+
+
+def test_an_averager_that_begins_its_round_tells_a_groupmate_that_awaits_its_trigger():
+    """b's step is marked while it awaits its trigger (which the message does not pull: b's owner does), and the round
+    is whole."""
+    with ExitStack() as stack:
+        results, grads, b_told = run_one_begins_first(stack, handler=True)
+    assert b_told
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(grad, torch.full((SIZE,), 0.5)) for grad in grads), grads
+
+
+def test_a_groupmate_without_the_handler_is_not_told_and_the_round_is_whole():
+    """The control, and a swarm of peers before and after trahiv.engine.tell: b has no handler, a's message fails and
+    a's round goes on; b's owner triggers it as before, and the round is whole."""
+    with ExitStack() as stack:
+        results, grads, b_told = run_one_begins_first(stack, handler=False)
+    assert not b_told
+    assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
+    assert all(torch.equal(grad, torch.full((SIZE,), 0.5)) for grad in grads), grads

@@ -321,3 +321,50 @@ def test_the_last_batch_of_a_step_is_announced_as_it_begins(tmp_path, workdir):
         key=lambda row: -row["began"],
     )  # fmt: skip
     assert other["t"] - sleep < last["began"], (other, last)
+
+
+PROGRESS_SLOW_S = 3.0  # seconds between a's reads of the swarm's progress while it waits at its share (default 0.1)
+
+
+def run_told_pair(tmp_path: Path, workdir: Path, *, tells: bool) -> tuple[Peer, Peer, list[dict], dict[int, float]]:
+    """Two peers of equal speed (0.3 s a local step), target 8 = one batch of 4 each, 4 steps; b stalls 1 s as step 3
+    begins (a fault at a named step), so a computes its share first and waits for b's report, reading the swarm's
+    progress only every PROGRESS_SLOW_S. Rounds are declared for 8 s (`matchmaking_time`), so that b's search outlasts
+    a's wait: declared for 2 s, b's round failed once in two runs of the control, and b computed past its share.
+    `tells=False`: b does not tell its groupmates as its round begins (an older peer). Returns both peers, their
+    done.json, and how long a's local step that ended each step took, its compute left out: its wait at its share,
+    then the round."""
+    boot = start_bootstrap(tmp_path)
+    common = dict(
+        workdir=str(workdir), run_id="told", target=8, max_steps=4, batch_size=4, toy_grad=1.0, sleep_per_step=0.3,
+        initial_peers=boot.initial_peers, mm=8.0, opt={"min_peers": 2, "average_state_every": 1000},
+    )  # fmt: skip
+    try:
+        a = start_peer(tmp_path, "a", progress_recheck_s=PROGRESS_SLOW_S, **common)
+        b = start_peer(tmp_path, "b", tells=tells, faults=[{"kind": "stall", "at_step": 3, "seconds": 1.0}], **common)
+        dones = [a.finish(), b.finish()]
+    finally:
+        boot.stop()
+    ended = [row for row in a.records("local") if row["epoch_after"] > row["epoch_before"]]
+    return a, b, dones, {row["epoch_before"]: row["t"] - row["began"] - common["sleep_per_step"] for row in ended}
+
+
+def test_a_peer_waiting_at_its_share_begins_the_round_as_a_groupmate_begins_it(tmp_path, workdir):
+    """trahiv.engine.tell: b, stalled, computes its share of step 3 last and begins the step's round as its report
+    completes the step; it tells a, which waits at its share and begins at once (about 1 s after it began to wait),
+    not at its next read of the progress, PROGRESS_SLOW_S after it began to wait. Every step takes exactly the target
+    and both peers end at the same values."""
+    a, b, dones, waited = run_told_pair(tmp_path, workdir, tells=True)
+    assert waited[3] < PROGRESS_SLOW_S - 1.0, waited
+    for done in dones:
+        assert done["global_step"] == 4, done
+        assert done["values"] == pytest.approx([-4.0] * 4, abs=1e-5), done
+    assert samples_per_epoch([a, b]) == {step: 8 for step in range(4)}
+
+
+def test_a_peer_not_told_waits_for_its_next_read_of_the_progress(tmp_path, workdir):
+    """The control: b does not tell (as a peer before trahiv.engine.tell). a learns that step 3 is complete only at
+    its next read of the progress, PROGRESS_SLOW_S after it began to wait (b's round waits for a meanwhile)."""
+    _, _, dones, waited = run_told_pair(tmp_path, workdir, tells=False)
+    assert waited[3] > PROGRESS_SLOW_S - 0.5, waited
+    assert all(done["global_step"] == 4 for done in dones), dones

@@ -11,6 +11,7 @@ Everything else in trahiv uses hivemind's public API (DHT, PeerID, get_dht_time,
 - `state`: verbs on a running optimizer: download a checked state, replace the state at a step, set the step.
 - `liveness`: the peer's engine processes watched (DHT, p2pd, averagers): one ending under it stops the peer.
 - `trail`: an averager's matchmaking lines kept in memory, told when its round goes wrong.
+- `tell`: a gradient round's groupmates told as it begins, so that a peer waiting at its share begins at once.
 `internals.INTERNALS` lists every hivemind internal these rely on; tests/test_engine_boundary.py checks them.
 
 Importing this package is cheap: the submodules (and hivemind) load when used.

@@ -60,7 +60,7 @@ from trahiv.averaging.robust import (
     reported_sample_caps,
     state_rejection_reason,
 )
-from trahiv.engine import fixes
+from trahiv.engine import fixes, tell
 from trahiv.engine.allreduce import run_robust_allreduce_
 from trahiv.engine.fixes import EPOCH_KEY_BITS
 from trahiv.engine.traffic import Traffic, TrafficCountingRunner
@@ -352,7 +352,7 @@ def _add_all_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         accumulator.add_(grad.to(accumulator.device), alpha=alpha)
 
 
-class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
+class RobustGradientAverager(tell.TellsGroupmates, EpochKeyedMatchmaking, OverlappedAccumulation):
     """hivemind's GradientAverager whose all-reduce excludes garbage and aggregates with `aggregation`. Given the
     swarm's `progress_key`, each sender's weight (its accumulated samples) is clamped to what it reported there.
 
@@ -375,6 +375,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
         self.progress_key, self.target_batch_size = progress_key, target_batch_size
         self._holds_local_gradients = False  # the averaged tensors hold the gradients of the round just begun
         self._in_step = False
+        tell.install()  # (in this process, where the steps' StepControls are made)
         super().__init__(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -406,6 +407,7 @@ class RobustGradientAverager(EpochKeyedMatchmaking, OverlappedAccumulation):
         the last bits at every step (run_clm.py, 2 peers, 8 steps: 325-460 of 136,960 values, up to 3.7e-9)."""
         from trahiv.engine.exact import run_exact_allreduce_  # exact.py builds on this module
 
+        await self.tell_groupmates(group_info)  # (trahiv.engine.tell: the others waiting at their shares read now)
         caps = await self._weight_caps(group_info.peer_ids)
         await run_exact_allreduce_(self, tensors, group_info, weight_caps=caps, **kwargs)
 

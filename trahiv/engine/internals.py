@@ -429,6 +429,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("hivemind.averaging.allreduce:AllReduceRunner", "tensor_part_reducer", "instance", None),
     Internal("hivemind.averaging.partition:TensorPartReducer", "num_parts_received", "instance", None),
     Internal("hivemind.averaging.partition:TensorPartReducer", "sender_failed_after", "instance", None),
+    # trahiv.engine.tell: a byte added to each StepControl's shared buffer, a handler on the gradient averagers
+    Internal(
+        "hivemind.averaging.control:StepControl",
+        "__init__",
+        "method",
+        "(self, scheduled_time: float, deadline: float, allow_retries: bool, weight: float, data_for_gather: bytes)",
+    ),
+    Internal("hivemind.averaging.control:StepControl", "_shared_buffer", "instance", None),
     # trahiv.engine.fixes, 13: a cancelled step is marked cancelled before its averager is told
     Internal("hivemind.averaging.control:StepControl", "cancel", "method", "(self) -> bool"),
     Internal("hivemind.averaging.control:StepControl", "_trigger", "instance", None),

@@ -46,6 +46,7 @@ from trahiv.engine.averagers import (
 from trahiv.engine.gate import gated
 from trahiv.engine.liveness import DHTProcessEnded, dht_answer
 from trahiv.engine.state import download_state, load_state
+from trahiv.engine.tell import told
 from trahiv.protocol import (
     MIN_RATE,
     Contribution,
@@ -88,6 +89,7 @@ LEFT_BEHIND_POLL = 0.25  # seconds between looks at the swarm while this peer lo
 LATE_PEERS_POLL = 0.25  # seconds between looks at the swarm while a peer whose training ended serves late peers
 RESYNC_PERIOD = 0.5  # seconds between attempts to re-sync after a step that left this peer's state different
 PROGRESS_RECHECK_PERIOD = 0.1  # seconds between progress fetches once the swarm should have reached its target
+TOLD_POLL = 0.005  # seconds between looks at the step's `told` byte while a peer waits at its share (engine.tell)
 HOLD_MIN, HOLD_MAX = 2.0, 30.0  # seconds a peer that computed its share of a step waits for the others' reports
 STALE_STEPS, STALE_MARGIN = 3, 1.0  # silent for its last round + 3 steps at the swarm's pace + 1 s: not waited for
 PING_AGAIN_S = 10.0  # seconds: a peer far behind that answered a ping is asked again after this (`_gone`)
@@ -155,6 +157,7 @@ class SwarmProgressTracker(ProgressTracker):
         self._reported: set[tuple[str, int]] = set()  # ignored (peer, step) records already logged
         self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
+        self._told_epoch: int | None = None  # the step a groupmate's round of began (`told_complete`)
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
@@ -201,7 +204,13 @@ class SwarmProgressTracker(ProgressTracker):
         return (
             self.global_epoch > self.local_progress.epoch
             or self.global_progress.samples_accumulated - self.promised >= self.target_batch_size
+            or self._told_epoch == self.local_progress.epoch
         )
+
+    def told_complete(self, epoch: int) -> None:
+        """Step `epoch` is complete: a groupmate of its gradient round began that round (trahiv.engine.tell), which it
+        does once the reports it read reach the target. Until the step ends, this peer is ready to update."""
+        self._told_epoch = epoch
 
     def promise(self, samples: int) -> None:
         """Publish now, as accumulated, the `samples` of the batch this peer is beginning: its last of the step. The
@@ -655,7 +664,14 @@ class SwarmOptimizer(hivemind.Optimizer):
         settled, last_seen, target = 0, None, tracker.target_batch_size
         with tracker.performance_ema.pause():  # waiting is not this peer's throughput
             while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
-                time.sleep(PROGRESS_RECHECK_PERIOD)
+                if self._until_told(PROGRESS_RECHECK_PERIOD):
+                    # a groupmate of this step's round began it: it read the step complete. This peer begins too,
+                    # without reading the progress again: that read, through links the groupmate's round now fills,
+                    # took 10-60 ms (benchmarks/averaging_round.py), and the ring waits for its last peer. The weight
+                    # caps of the round use the records as last read (reported_sample_caps extrapolates them)
+                    logger.debug(f"Step {self.local_epoch}: a groupmate began this step's round: beginning it too")
+                    tracker.told_complete(self.local_epoch)
+                    break
                 tracker.refresh_now()
                 seen = self._contributions()
                 joined = joined or self._join_round_if_near(seen, batch)
@@ -683,6 +699,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not tracker.ready_to_update_epoch:
             self._hold_released = self.local_epoch
             logger.debug(f"Step {self.local_epoch}: the swarm's reports did not reach the target; computing on")
+
+    def _until_told(self, seconds: float) -> bool:
+        """Wait `seconds`, or less if a groupmate told this step's averager that it began the round of the group found
+        for it (trahiv.engine.tell); whether one did."""
+        control, end = self.scheduled_grads, time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if control is not None and told(control):
+                return True
+            time.sleep(min(TOLD_POLL, left))
+        return False
 
     def _join_round_if_near(self, contributions: list[Contribution], batch: int) -> bool:
         """Join this step's round (`_join_round_now`) if the swarm should reach the target within half of
