@@ -229,12 +229,15 @@ def test_gated_averagers_keep_the_swarms_rpc_names_and_streaming():
     from trahiv.engine.optimizer import SwarmOptimizer
     from trahiv.swarm import Swarm
 
-    for cls in (Swarm.grad_averager_cls, SwarmOptimizer.state_averager_cls):
+    told = {"rpc_trahiv_round_began": False}  # (trahiv.engine.tell: the gradient averagers', gated as well)
+    for cls, own in ((Swarm.grad_averager_cls, told), (SwarmOptimizer.state_averager_cls, {})):
         gated_cls = gated(cls, AuthGate(RUN_ID, b"ssh-rsa AAAA"))
         gated_cls._rpc_handlers = None  # collected afresh, as in the forked averager process
         gated_cls._collect_rpc_handlers()
         assert {h.method_name: h.stream_output for h in gated_cls._rpc_handlers} == {
-            "rpc_aggregate_part": True, "rpc_download_state": True, "rpc_join_group": True}  # fmt: skip
+            "rpc_aggregate_part": True, "rpc_download_state": True, "rpc_join_group": True, **own}  # fmt: skip
+        if own:
+            assert "rpc_trahiv_round_began" in vars(gated_cls.__mro__[1])  # the gate's, in front of the handler
         assert gated_cls._get_handle_name("p", "rpc_join_group") == cls._get_handle_name("p", "rpc_join_group")
         assert issubclass(gated_cls, cls)
 

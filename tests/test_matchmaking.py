@@ -50,6 +50,26 @@ REQUEST_TIMEOUT_S = 1.0
 LEADER_DECLARES_S = 4.0  # the leader assembles what it has once its declared time runs out
 
 
+def first_tensors(averagers: list[Any]) -> list[torch.Tensor]:
+    """A copy of each averager's (only) tensor."""
+    tensors = []
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            tensors.append(tensor.clone())
+    return tensors
+
+
+def results_of(controls: list[Any]) -> list[Any]:
+    """Each scheduled step's result, or the exception it ended with."""
+    results = []
+    for control in controls:
+        try:
+            results.append(control.result(timeout=30))
+        except Exception as e:
+            results.append(e)
+    return results
+
+
 def leader_class(slow_peer: bytes, requests: Any) -> type[ReportingAverager]:
     class LateLeader(ReportingAverager):
         async def rpc_join_group(
@@ -218,11 +238,7 @@ def run_late_leader(
     hold_until.value = time.time() + hold_s
     results, seconds = step_together(averagers, [12.0, FOLLOWER_TIMEOUT_S], join_s=30)
     logging.getLogger("trahiv.averaging").debug(f"steps ended after {seconds} s: {results}")
-    tensors = []
-    for averager in averagers:
-        with averager.get_tensors() as (tensor,):
-            tensors.append(tensor.clone())
-    return results, tensors
+    return results, first_tensors(averagers)
 
 
 def assert_averaged_together(results: list[Any], tensors: list[torch.Tensor]) -> None:
@@ -305,8 +321,26 @@ def test_before_the_fix_the_follower_gives_up_with_the_answer_on_its_way(monkeyp
 SIZE = 2**18  # values averaged: two parts of hivemind's 512 KiB, one reduced by each (1,000 values: one part)
 
 
+def counting_parts(base: type[Any], parts: Any, answered: Any = None) -> type[Any]:
+    """`base` that counts the part streams reaching it (`parts`) and, given `answered`, its answers to them."""
+
+    class CountingParts(base):  # type: ignore[valid-type,misc]
+        async def rpc_aggregate_part(
+            self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+        ) -> AsyncIterator[averaging_pb2.AveragingData]:
+            with parts.get_lock():
+                parts.value += 1
+            async for message in super().rpc_aggregate_part(stream, context):
+                if answered is not None:
+                    with answered.get_lock():
+                        answered.value += 1
+                yield message
+
+    return CountingParts
+
+
 def group_ends_meanwhile(parts: Any, answered: Any) -> type[ReportingAverager]:
-    class GroupEndsMeanwhile(ReportingAverager):
+    class GroupEndsMeanwhile(counting_parts(ReportingAverager, parts, answered)):  # type: ignore[misc]
         """Counts the part streams that reach it (`parts`) and its answers (`answered`), and once its step found its
         group (awaiting its trigger), sets hivemind's "a group registered" event as another round of this averager
         that ends then does: in background mode, step k's round ends while step k+1's group awaits its trigger."""
@@ -322,16 +356,6 @@ def group_ends_meanwhile(parts: Any, answered: Any) -> type[ReportingAverager]:
                 await super()._step(step=step, future_for_init=future_for_init)
             finally:
                 ends.cancel()
-
-        async def rpc_aggregate_part(
-            self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-        ) -> AsyncIterator[averaging_pb2.AveragingData]:
-            with parts.get_lock():
-                parts.value += 1
-            async for message in super().rpc_aggregate_part(stream, context):
-                with answered.get_lock():
-                    answered.value += 1
-                yield message
 
     return GroupEndsMeanwhile
 
@@ -356,17 +380,7 @@ def run_part_before_trigger(stack: ExitStack, *, once: str = "reached") -> tuple
     counter = {"reached": parts, "answered": answered}[once]
     wait_for(lambda: counter.value > 0, 30, f"b's part {once} at a")
     controls[0].allow_allreduce()
-    results = []
-    for control in controls:
-        try:
-            results.append(control.result(timeout=30))
-        except Exception as e:
-            results.append(e)
-    tensors = []
-    for averager in (a, b):
-        with averager.get_tensors() as (tensor,):
-            tensors.append(tensor.clone())
-    return results, tensors
+    return results_of(controls), first_tensors([a, b])
 
 
 def test_a_part_for_a_group_found_but_not_begun_waits_for_it():
@@ -431,11 +445,7 @@ def run_owner_moves_on(stack: ExitStack) -> tuple[list[Any], list[torch.Tensor],
         results.insert(0, control.result(timeout=30))
     except Exception as e:
         results.insert(0, e)
-    tensors = []
-    for averager in (a, b):
-        with averager.get_tensors() as (tensor,):
-            tensors.append(tensor.clone())
-    return results, tensors, bits_meanwhile
+    return results, first_tensors([a, b]), bits_meanwhile
 
 
 def test_a_search_keeps_its_steps_key_when_the_owner_moves_on():
@@ -711,21 +721,12 @@ def test_without_asking_the_sender_the_member_finds_no_group_and_the_round_goes_
 
 
 def parts_counted(parts: Any, handler: bool = True) -> type[ReportingGradientAverager]:
-    class PartsCounted(ReportingGradientAverager):
-        """Counts the part streams that reach it (`parts`). `handler=False`: a peer before trahiv.engine.tell, which
-        has no handler for the message (hivemind registers the `rpc_` functions of the class)."""
-
-        async def rpc_aggregate_part(
-            self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-        ) -> AsyncIterator[averaging_pb2.AveragingData]:
-            with parts.get_lock():
-                parts.value += 1
-            async for message in super().rpc_aggregate_part(stream, context):
-                yield message
-
+    """A gradient averager that counts the part streams reaching it (`parts`). `handler=False`: a peer before
+    trahiv.engine.tell, which has no handler for the message (hivemind registers the `rpc_` functions of the class)."""
+    counted = counting_parts(ReportingGradientAverager, parts)
     if not handler:
-        PartsCounted.rpc_trahiv_round_began = None  # type: ignore[assignment,method-assign]
-    return PartsCounted
+        counted = type("WithoutHandler", (counted,), {"rpc_trahiv_round_began": None})
+    return counted
 
 
 def run_one_begins_first(stack: ExitStack, *, handler: bool) -> tuple[list[Any], list[torch.Tensor], bool]:
@@ -756,17 +757,7 @@ def run_one_begins_first(stack: ExitStack, *, handler: bool) -> tuple[list[Any],
     b_told = told(controls[1])
     assert controls[1].stage == AveragingStage.AWAITING_TRIGGER  # (the message triggers nothing: the owner does)
     b.step(control=controls[1], wait=False)
-    results = []
-    for control in controls:
-        try:
-            results.append(control.result(timeout=30))
-        except Exception as e:
-            results.append(e)
-    grads = []
-    for averager in (a, b):
-        with averager.get_tensors() as (tensor,):
-            grads.append(tensor.clone())
-    return results, grads, b_told
+    return results_of(controls), first_tensors([a, b]), b_told
 
 
 def test_an_averager_that_begins_its_round_tells_a_groupmate_that_awaits_its_trigger():

@@ -1,7 +1,8 @@
 """The auth gate in front of an averager's RPCs (`gated`): the engine side of `trahiv.auth.gate.AuthGate`.
 
 Overrides hivemind 1.1.12's averaging RPC handlers (`DecentralizedAverager.rpc_join_group`, `rpc_aggregate_part`,
-`rpc_download_state`) and `_run_allreduce_inplace_`, and trahiv's state download from one peer
+`rpc_download_state`) and `_run_allreduce_inplace_`, trahiv's handler of news that a round began
+(`rpc_trahiv_round_began`, trahiv.engine.tell) and its state download from one peer
 (`CheckedStateDownload._download_state_from`); what counts as a valid token is the gate's business.
 """
 
@@ -90,8 +91,20 @@ class _Gated:
         await super()._run_allreduce_inplace_(tensors, group_info, **kwargs)  # type: ignore[misc]
 
 
+class _GatedTelling(_Gated):
+    """_Gated, for an averager that is told as a groupmate's round begins (trahiv.engine.tell.TellsGroupmates)."""
+
+    async def rpc_trahiv_round_began(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        if not await self._admit(context, "news that an averaging round began"):
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return await super().rpc_trahiv_round_began(request, context)  # type: ignore[misc]
+
+
 def gated(averager_cls: type, gate: AuthGate | None) -> Any:
     """`averager_cls` with the gate in front of its averaging RPCs (`averager_cls` itself if there is no gate)."""
     if gate is None:
         return averager_cls
-    return type(f"Gated{averager_cls.__name__}", (_Gated, averager_cls), {"auth_gate": gate})
+    mixin = _GatedTelling if callable(getattr(averager_cls, "rpc_trahiv_round_began", None)) else _Gated
+    return type(f"Gated{averager_cls.__name__}", (mixin, averager_cls), {"auth_gate": gate})
