@@ -407,7 +407,7 @@ class RobustGradientAverager(tell.TellsGroupmates, EpochKeyedMatchmaking, Overla
         the last bits at every step (run_clm.py, 2 peers, 8 steps: 325-460 of 136,960 values, up to 3.7e-9)."""
         from trahiv.engine.exact import run_exact_allreduce_  # exact.py builds on this module
 
-        await self.tell_groupmates(group_info)  # (trahiv.engine.tell: the others waiting at their shares read now)
+        await self.tell_groupmates(group_info)  # (trahiv.engine.tell: the others waiting at their shares begin now)
         caps = await self._weight_caps(group_info.peer_ids)
         await run_exact_allreduce_(self, tensors, group_info, weight_caps=caps, **kwargs)
 
