@@ -41,7 +41,7 @@ from trahiv.engine.averagers import (
     ReportingGradientAverager,
     epoch_group_bits,
 )
-from trahiv.engine.tell import told
+from trahiv.engine.tell import TellsGroupmates, told
 
 engine.apply()
 
@@ -778,3 +778,16 @@ def test_a_groupmate_without_the_handler_is_not_told_and_the_round_is_whole():
     assert not b_told
     assert all(isinstance(result, dict) and len(result) == 2 for result in results), results
     assert all(torch.equal(grad, torch.full((SIZE,), 0.5)) for grad in grads), grads
+
+
+def test_a_client_groupmate_is_not_told():
+    """A client accepts no incoming stream: it is left out of the message (it reads the progress at its period), and
+    so is a groupmate whose gathered data cannot be read."""
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.utils import MSGPackSerializer
+
+    teller: Any = TellsGroupmates()
+    teller.serializer = MSGPackSerializer  # (hivemind's averagers')
+    gathered = {mode: MSGPackSerializer.dumps([100.0, mode.value, b""]) for mode in AveragingMode}
+    assert teller._reachable(gathered[AveragingMode.NODE]) and teller._reachable(gathered[AveragingMode.AUX])
+    assert not teller._reachable(gathered[AveragingMode.CLIENT]) and not teller._reachable(b"\x00garbage")
