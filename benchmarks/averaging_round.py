@@ -53,6 +53,7 @@ The machine's load average before and after is in the JSON: a run on a busy mach
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -266,17 +267,20 @@ def swarm_worker(spec: dict) -> None:
         return Counter({**dht_stats.dht_message_counts(dht), **dht_stats.dht_request_counts(dht)})
 
     async def timed(self: Any, tensors: Any, group_info: Any, **kwargs: Any) -> None:  # in an averager process
-        # (the CPU and DHT counts are read outside the timed span: a DHT request and a walk of the process trees
-        # took tens of milliseconds of each round's time on a busy machine)
+        # The probes stay off the round's path (until stop 64 they ran before it, blocking this process for up to
+        # 49 ms while its groupmates waited): the CPU by role is read from a process list walked once (a few /proc
+        # reads), and the DHT's counts, a request to the DHT's process, come back in a thread while the round begins
+        # (so the DHT messages of the round's first milliseconds may count in the round before).
         probe = time.perf_counter()
-        roles, counts = cpu_by_role(), dht_counts(self.dht)
+        roles = cpu_by_role()
+        counts = asyncio.get_running_loop().run_in_executor(None, dht_counts, self.dht)
         started, wall = time.perf_counter(), time.time()
         try:
             await original(self, tensors, group_info, **kwargs)
         finally:
             seconds, end = time.perf_counter() - started, time.time()
             after = cpu_by_role()
-            dht = {k: v for k, v in (dht_counts(self.dht) - counts).items() if k not in ("sent", "received")}
+            dht = {k: v for k, v in (dht_counts(self.dht) - await counts).items() if k not in ("sent", "received")}
             row = {"averager": self.prefix, "group": group_info.group_id.hex(), "size": len(group_info.peer_ids),
                    "key": self._matchmaking.group_key_manager.current_key, "peer": str(self.peer_id)[-6:],
                    "seconds": seconds, "start": wall, "end": end, "dht": dht, "probe_s": started - probe,
@@ -351,7 +355,6 @@ def swarm_worker(spec: dict) -> None:
 def tcp_worker(spec: dict) -> None:
     """The network alone: each peer exchanges the bytes of a butterfly all-reduce (2 (N - 1) / N x S each way) over
     plain TCP, S / N x 2 with each other peer at once, starting at a common time; no libp2p, no Python per part."""
-    import asyncio
     import socket
 
     import numpy as np
@@ -640,23 +643,32 @@ def cpu_by_role() -> dict[str, float]:
     main, this averager, the DHT (p2pd's parent), p2pd, other (the peer's other averagers, torch's shm manager)."""
     import psutil
 
-    me = psutil.Process()
-    root = me.parent()
-    procs = [root, *root.children(recursive=True)]
-    daemons = {p.pid: p.ppid() for p in procs if p.name().startswith("p2pd")}
-    totals: dict[str, float] = {}
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            role = (
+    tree = _TREES.get(os.getpid())
+    if tree is None:  # walked once per process: a walk reads every process's /proc entries (tens of ms when busy)
+        me = psutil.Process()
+        root = me.parent()
+        procs = [root, *root.children(recursive=True)]
+        daemons = {p.pid: p.ppid() for p in procs if p.name().startswith("p2pd")}
+        tree = _TREES[os.getpid()] = [
+            (
                 "this_averager" if proc.pid == me.pid
                 else "main" if proc.pid == root.pid
                 else "p2pd" if proc.pid in daemons
                 else "dht" if proc.pid in daemons.values()
-                else "other"
-            )  # fmt: skip
+                else "other",
+                proc,
+            )
+            for proc in procs
+        ]  # fmt: skip
+    totals: dict[str, float] = {}
+    for role, proc in tree:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
             totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
+
+
+_TREES: dict[int, list] = {}  # cpu_by_role's walk of the peer's processes, by the pid of the process that walked it
 
 
 def peer_cpu_seconds() -> float:
