@@ -918,6 +918,39 @@ def test_a_read_of_the_swarm_from_a_background_wait_ends_when_the_dht_does_not_a
             os.kill(swarm.dht.pid, signal.SIGCONT)
 
 
+def test_a_read_of_the_progress_is_given_up_when_its_peer_is_told_while_the_dht_does_not_answer():
+    """A peer waiting at its share reads the progress every PROGRESS_RECHECK_PERIOD; a groupmate that begins the step's
+    round tells it (trahiv.engine.tell), and a read under way then held its start 10-45 ms more through the links the
+    round fills (benchmarks/averaging_round.py). `refresh_now(given_up=...)` stops waiting for the DHT's answer once
+    `given_up()` is true. Here the DHT process is frozen (SIGSTOP): the read with `given_up` true at its third look ends
+    with the view as it was, the same read without it (the control) is still waiting, and both the control and the
+    next read end once the DHT answers again."""
+    with lone_peer("given_up_read", target=2, batch=1) as (swarm, optimizer, _param):
+        swarm.catch_up()
+        tracker = optimizer.tracker
+        assert tracker.refresh_now(given_up=lambda: True)  # (an answered read is taken whatever `given_up` says)
+        view, read_at, looks = tracker.global_progress, tracker.read_at, []
+
+        def third_look() -> bool:
+            looks.append(time.monotonic())
+            return len(looks) >= 3
+
+        control_done = threading.Event()
+        control = threading.Thread(target=lambda: (tracker.refresh_now(), control_done.set()), daemon=True)
+        os.kill(swarm.dht.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            assert not tracker.refresh_now(given_up=third_look)
+            assert len(looks) == 3 and looks[-1] - began < 1.0  # (looked at every TOLD_POLL, 5 ms)
+            assert tracker.global_progress is view and tracker.read_at == read_at
+            control.start()
+            assert not control_done.wait(1.0), "a read without `given_up` ended while the DHT was frozen"
+        finally:
+            os.kill(swarm.dht.pid, signal.SIGCONT)
+        assert control_done.wait(30), "the control read did not end once the DHT answered again"
+        assert tracker.refresh_now(given_up=lambda: True) and tracker.read_at > read_at
+
+
 def test_a_wait_for_the_dht_in_a_background_thread_ends_once_its_process_has_ended():
     """hivemind's DHT keeps both ends of its request pipe: a request to a DHT process that has ended is sent without an
     error and its answer awaited for good (a DiLoCo sync in the background waited so, and its peer could not save its

@@ -791,3 +791,43 @@ def test_a_client_groupmate_is_not_told():
     gathered = {mode: MSGPackSerializer.dumps([100.0, mode.value, b""]) for mode in AveragingMode}
     assert teller._reachable(gathered[AveragingMode.NODE]) and teller._reachable(gathered[AveragingMode.AUX])
     assert not teller._reachable(gathered[AveragingMode.CLIENT]) and not teller._reachable(b"\x00garbage")
+
+
+def test_news_of_a_round_is_acknowledged_at_once_and_marks_its_step_once_the_group_is_found():
+    """A teller holds its tensors until its groupmates acknowledge the news (up to TELL_FIRST_S). A groupmate whose
+    search had not received the group yet (the leader's message on its way) acknowledged only once it had: its teller
+    waited all of TELL_FIRST_S, and its ring began last (benchmarks/averaging_round.py, stop 64). The acknowledgement
+    now comes at once: the handler returns before the group is found, and the step is marked once the search finds it.
+    News of a group the search ends without marks nothing."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.control import StepControl
+
+    from trahiv.engine import tell
+
+    tell.install()  # (as every trahiv gradient averager does: the byte `told` reads)
+
+    async def scenario() -> None:
+        found: dict[bytes, tuple[Any, asyncio.Event]] = {}
+        groupmate: Any = TellsGroupmates()
+        groupmate._matchmaking = SimpleNamespace(is_looking_for_group=True, _trahiv_found_groups=found)
+        steps = [
+            StepControl(scheduled_time=0.0, deadline=1e9, allow_retries=True, weight=1.0, data_for_gather=b"")
+            for _ in range(2)
+        ]
+        context: Any = SimpleNamespace(remote_id="the teller")
+        ack = await groupmate.rpc_trahiv_round_began(averaging_pb2.AveragingData(group_id=b"found later"), context)
+        assert ack.code == averaging_pb2.AveragingData().code and not told(steps[0])  # acknowledged, not yet marked
+        found[b"found later"] = (steps[0], asyncio.Event())  # the leader's message arrives: the search found it
+        for _ in range(200):  # (every TOLD_POLL_S, 10 ms: up to 2 s)
+            if told(steps[0]):
+                break
+            await asyncio.sleep(tell.TOLD_POLL_S)
+        assert told(steps[0])
+        await groupmate.rpc_trahiv_round_began(averaging_pb2.AveragingData(group_id=b"never found"), context)
+        found[b"another"] = (steps[1], asyncio.Event())  # the search ended with another group
+        groupmate._matchmaking.is_looking_for_group = False
+        await asyncio.wait_for(asyncio.gather(*tell.TELLING), 5.0)
+        assert not told(steps[1]) and list(groupmate._trahiv_told_groups) == [b"found later"]
+
+    asyncio.run(scenario())

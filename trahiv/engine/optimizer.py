@@ -158,6 +158,7 @@ class SwarmProgressTracker(ProgressTracker):
         self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
         self._told_epoch: int | None = None  # the step a groupmate's round of began (`told_complete`)
+        self._given_up_read: Any = None  # a read `refresh_now` stopped waiting for, kept until the next one
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
@@ -211,6 +212,10 @@ class SwarmProgressTracker(ProgressTracker):
         """Step `epoch` is complete: a groupmate of its gradient round began that round (trahiv.engine.tell), which it
         does once the reports it read reach the target. Until the step ends, this peer is ready to update."""
         self._told_epoch = epoch
+
+    def told_of(self, epoch: int) -> bool:
+        """Whether a groupmate of step `epoch`'s gradient round began it (`told_complete`)."""
+        return self._told_epoch == epoch
 
     def promise(self, samples: int) -> None:
         """Publish now, as accumulated, the `samples` of the batch this peer is beginning: its last of the step. The
@@ -295,12 +300,25 @@ class SwarmProgressTracker(ProgressTracker):
         of 4, with a core kept busy), next to the rounding points where the two views of the rates gave 12 + 8."""
         self.performance_ema.reset_timer()
 
-    def refresh_now(self) -> None:
-        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?)."""
+    def refresh_now(self, given_up: Callable[[], bool] | None = None) -> bool:
+        """Fetch the swarm's progress right away (before a collaborative step: who is there to average with?); whether
+        it did. With `given_up`, the wait for the DHT's answer ends as soon as `given_up()` is true (looked at every
+        TOLD_POLL), and the view stays as it was: a peer waiting at its share that a groupmate tells of its round
+        (trahiv.engine.tell) begins it at once, where a read under way, through links the groupmate's round fills,
+        held it 10-45 ms more (benchmarks/averaging_round.py)."""
         with self.lock_global_progress:
-            found = self.dht.get(self.training_progress_key, latest=True)
+            future = self.dht.get(self.training_progress_key, latest=True, return_future=True)
+            while True:
+                try:
+                    found = future.result(None if given_up is None else TOLD_POLL)
+                    break
+                except TimeoutError:
+                    if given_up is not None and given_up():
+                        self._given_up_read = future  # (its answer comes to this process later: dropped then)
+                        return False
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
             self.read_at = time.monotonic()
+        return True
 
     def refresh_if_older(self, seconds: float) -> None:
         """`refresh_now`, unless this peer's last one ended less than `seconds` ago."""
@@ -672,7 +690,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                     logger.debug(f"Step {self.local_epoch}: a groupmate began this step's round: beginning it too")
                     tracker.told_complete(self.local_epoch)
                     break
-                tracker.refresh_now()
+                if not tracker.refresh_now(given_up=self._told):
+                    continue  # (told during the read: the loop's next `_until_told` sees it at once)
                 seen = self._contributions()
                 joined = joined or self._join_round_if_near(seen, batch)
                 reported = {c.peer: c.samples for c in seen}
@@ -703,12 +722,16 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _until_told(self, seconds: float) -> bool:
         """Wait `seconds`, or less if a groupmate told this step's averager that it began the round of the group found
         for it (trahiv.engine.tell); whether one did."""
-        control, end = self.scheduled_grads, time.monotonic() + seconds
+        end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            if control is not None and told(control):
+            if self._told():
                 return True
             time.sleep(min(TOLD_POLL, left))
         return False
+
+    def _told(self) -> bool:
+        control = self.scheduled_grads
+        return control is not None and told(control)
 
     def _join_round_if_near(self, contributions: list[Contribution], batch: int) -> bool:
         """Join this step's round (`_join_round_now`) if the swarm should reach the target within half of
@@ -765,8 +788,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         # the averaging decision must not rest on a view up to max_refresh_period old; one just read (the waits at the
         # end of a step read every PROGRESS_RECHECK_PERIOD, and so does each local step once the step is due) is read
         # again only after that period: the second read, 0.03-0.12 s through links busy with the previous round
-        # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer
-        self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
+        # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer. A peer
+        # told that a groupmate began this step's round (`_hold_at_share`) does not read: it is in that round, and the
+        # read (10-30 ms through the links the round fills) held its start, which the whole ring waits for
+        if not self.tracker.told_of(self.local_epoch):
+            self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
         read_s = time.monotonic() - began
         if isinstance(self.state_averager, ReportingMixin):  # (counted in averaging_rounds; see ReportingMixin)
             self.state_averager.round_reports()  # the parameter rounds' reports, read at every step as the gradients'

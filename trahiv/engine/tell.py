@@ -41,7 +41,7 @@ __all__ = ["TOLD", "TellsGroupmates", "install", "told"]
 TOLD = 18  # the byte trahiv adds to hivemind's StepControl buffer (bytes 0-17 in hivemind 1.1.12): a groupmate began
 TELL_TIMEOUT = 2.0  # seconds a groupmate may take to acknowledge the message (it is only a hint: no retry)
 TELL_FIRST_S = 0.05  # seconds the round waits for the acknowledgements before it sends its tensors
-TELLING: set[asyncio.Task] = set()  # (in an averager process) messages on their way
+TELLING: set[asyncio.Task] = set()  # (in an averager process) messages on their way, marks awaiting their group
 TOLD_WAIT_S, TOLD_POLL_S = 1.0, 0.01  # a message for a group not found yet, while this averager searches: waited for
 TOLD_GROUPS_KEPT = 8  # groups whose rounds this averager was told of, kept so that it does not tell them again
 
@@ -118,23 +118,39 @@ class TellsGroupmates:
     ) -> averaging_pb2.AveragingData:
         """A groupmate began its round of `request.group_id`: if this averager found that group and its step awaits
         the trigger, mark the step (`told`). A group this averager's search has not found yet (the leader's message
-        with it may be on its way) is waited for, up to TOLD_WAIT_S while the search goes on. Only a member of the
-        group knows its ID (the leader draws it at random)."""
+        with it may be on its way) is waited for in the background, up to TOLD_WAIT_S while the search goes on, and the
+        message acknowledged at once: the teller holds its tensors until the acknowledgements come (`tell_groupmates`),
+        and an acknowledgement sent only once the group was found held it for all of TELL_FIRST_S, its ring then
+        beginning last (benchmarks/averaging_round.py, stop 64). Only a member of the group knows its ID (the leader
+        draws it at random)."""
+        if self._found(request.group_id)[0] is None and self._matchmaking.is_looking_for_group:
+            task = asyncio.create_task(self._mark_once_found(request.group_id, context.remote_id))
+            TELLING.add(task)
+            task.add_done_callback(TELLING.discard)
+        else:
+            self._mark(request.group_id, context.remote_id)
+        return averaging_pb2.AveragingData()
+
+    def _found(self, group_id: bytes) -> tuple[Any, Any]:
+        """(the step, its `begun` event) of the group this averager's search found with this ID, or (None, None)."""
+        found: dict[bytes, tuple[Any, Any]] = getattr(self._matchmaking, "_trahiv_found_groups", {})
+        return found.get(group_id, (None, None))
+
+    async def _mark_once_found(self, group_id: bytes, teller: PeerID) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + TOLD_WAIT_S
-        while True:
-            found: dict[bytes, tuple[Any, Any]] = getattr(self._matchmaking, "_trahiv_found_groups", {})
-            control, begun = found.get(request.group_id, (None, None))
-            if control is not None or not self._matchmaking.is_looking_for_group or loop.time() >= deadline:
-                break
+        while self._found(group_id)[0] is None and self._matchmaking.is_looking_for_group and loop.time() < deadline:
             await asyncio.sleep(TOLD_POLL_S)
+        self._mark(group_id, teller)
+
+    def _mark(self, group_id: bytes, teller: PeerID) -> None:
+        control, begun = self._found(group_id)
         if control is not None and not begun.is_set() and not control.done():
             with contextlib.suppress(Exception):  # (a buffer without the byte: a StepControl made before `install`)
                 if not told(control):
                     control._shared_buffer[TOLD] = 1
-                    logger.debug(f"{self} - {context.remote_id} began round {request.group_id.hex()[:8]}")
+                    logger.debug(f"{self} - {teller} began round {group_id.hex()[:8]}")
             kept = self.__dict__.setdefault("_trahiv_told_groups", {})  # (an ordered set)
-            kept[request.group_id] = None
+            kept[group_id] = None
             while len(kept) > TOLD_GROUPS_KEPT:
                 del kept[next(iter(kept))]
-        return averaging_pb2.AveragingData()
