@@ -924,11 +924,12 @@ def test_a_read_of_the_progress_is_given_up_when_its_peer_is_told_while_the_dht_
     round fills (benchmarks/averaging_round.py). `refresh_now(given_up=...)` stops waiting for the DHT's answer once
     `given_up()` is true. Here the DHT process is frozen (SIGSTOP): the read with `given_up` true at its third look ends
     with the view as it was, the same read without it (the control) is still waiting, and both the control and the
-    next read end once the DHT answers again."""
+    next read (`given_up` never true: it waits in looks of TOLD_POLL) end once the DHT answers again. (A read with
+    `given_up` true at once is given up after one look, even with the DHT answering: run FT, a core kept busy.)"""
     with lone_peer("given_up_read", target=2, batch=1) as (swarm, optimizer, _param):
         swarm.catch_up()
         tracker = optimizer.tracker
-        assert tracker.refresh_now(given_up=lambda: True)  # (an answered read is taken whatever `given_up` says)
+        assert tracker.refresh_now()
         view, read_at, looks = tracker.global_progress, tracker.read_at, []
 
         def third_look() -> bool:
@@ -948,7 +949,44 @@ def test_a_read_of_the_progress_is_given_up_when_its_peer_is_told_while_the_dht_
         finally:
             os.kill(swarm.dht.pid, signal.SIGCONT)
         assert control_done.wait(30), "the control read did not end once the DHT answered again"
-        assert tracker.refresh_now(given_up=lambda: True) and tracker.read_at > read_at
+        assert tracker.refresh_now(given_up=lambda: False) and tracker.read_at > read_at  # (waited for in 5 ms looks)
+
+
+def test_a_told_peer_updates_without_reading_the_progress_again(monkeypatch):
+    """A peer told that a groupmate began its step's round (trahiv.engine.tell) is in that round: its update
+    (`_update_global_epoch`) does not read the progress again before it triggers the round, where that read, 11-28 ms
+    through the links the round fills (benchmarks/averaging_round.py, stop 64), held the peer's start, which the whole
+    ring waits for. The control, the same step not told, with its last read as long ago: the update reads once."""
+    from trahiv.engine.optimizer import SwarmOptimizer, SwarmProgressTracker
+
+    update, read = SwarmOptimizer._update_global_epoch, SwarmProgressTracker.refresh_now
+    updating: list[int] = []
+    reads_in_update: list[int] = []
+
+    def counted_update(self: Any, grad_scaler: Any) -> None:
+        updating.append(self.local_epoch)
+        try:
+            update(self, grad_scaler)
+        finally:
+            updating.pop()
+
+    def counted_read(self: Any, *args: Any, **kwargs: Any) -> bool:
+        reads_in_update.extend(updating[-1:])
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(SwarmOptimizer, "_update_global_epoch", counted_update)
+    monkeypatch.setattr(SwarmProgressTracker, "refresh_now", counted_read)
+    with lone_peer("told_no_read", target=1, batch=1) as (swarm, optimizer, param):
+        swarm.catch_up()
+        steps = []
+        for told in (False, True):
+            steps.append(optimizer.local_epoch)
+            optimizer.tracker.read_at = -math.inf  # (its last read long ago)
+            if told:
+                optimizer.tracker.told_complete(optimizer.local_epoch)
+            feed(optimizer, param, 1)
+            assert optimizer.local_epoch == steps[-1] + 1
+        assert reads_in_update == steps[:1]  # the control's update read; the told one did not
 
 
 def test_a_wait_for_the_dht_in_a_background_thread_ends_once_its_process_has_ended():
