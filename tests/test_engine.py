@@ -952,43 +952,6 @@ def test_a_read_of_the_progress_is_given_up_when_its_peer_is_told_while_the_dht_
         assert tracker.refresh_now(given_up=lambda: False) and tracker.read_at > read_at  # (waited for in 5 ms looks)
 
 
-def test_a_told_peer_updates_without_reading_the_progress_again(monkeypatch):
-    """A peer told that a groupmate began its step's round (trahiv.engine.tell) is in that round: its update
-    (`_update_global_epoch`) does not read the progress again before it triggers the round, where that read, 11-28 ms
-    through the links the round fills (benchmarks/averaging_round.py, stop 64), held the peer's start, which the whole
-    ring waits for. The control, the same step not told, with its last read as long ago: the update reads once."""
-    from trahiv.engine.optimizer import SwarmOptimizer, SwarmProgressTracker
-
-    update, read = SwarmOptimizer._update_global_epoch, SwarmProgressTracker.refresh_now
-    updating: list[int] = []
-    reads_in_update: list[int] = []
-
-    def counted_update(self: Any, grad_scaler: Any) -> None:
-        updating.append(self.local_epoch)
-        try:
-            update(self, grad_scaler)
-        finally:
-            updating.pop()
-
-    def counted_read(self: Any, *args: Any, **kwargs: Any) -> bool:
-        reads_in_update.extend(updating[-1:])
-        return read(self, *args, **kwargs)
-
-    monkeypatch.setattr(SwarmOptimizer, "_update_global_epoch", counted_update)
-    monkeypatch.setattr(SwarmProgressTracker, "refresh_now", counted_read)
-    with lone_peer("told_no_read", target=1, batch=1) as (swarm, optimizer, param):
-        swarm.catch_up()
-        steps = []
-        for told in (False, True):
-            steps.append(optimizer.local_epoch)
-            optimizer.tracker.read_at = -math.inf  # (its last read long ago)
-            if told:
-                optimizer.tracker.told_complete(optimizer.local_epoch)
-            feed(optimizer, param, 1)
-            assert optimizer.local_epoch == steps[-1] + 1
-        assert reads_in_update == steps[:1]  # the control's update read; the told one did not
-
-
 def test_a_wait_for_the_dht_in_a_background_thread_ends_once_its_process_has_ended():
     """hivemind's DHT keeps both ends of its request pipe: a request to a DHT process that has ended is sent without an
     error and its answer awaited for good (a DiLoCo sync in the background waited so, and its peer could not save its

@@ -213,10 +213,6 @@ class SwarmProgressTracker(ProgressTracker):
         does once the reports it read reach the target. Until the step ends, this peer is ready to update."""
         self._told_epoch = epoch
 
-    def told_of(self, epoch: int) -> bool:
-        """Whether a groupmate of step `epoch`'s gradient round began it (`told_complete`)."""
-        return self._told_epoch == epoch
-
     def promise(self, samples: int) -> None:
         """Publish now, as accumulated, the `samples` of the batch this peer is beginning: its last of the step. The
         others see the step complete as this peer computes its last batch, not a report's trip (0.1-0.5 s: store,
@@ -788,11 +784,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         # the averaging decision must not rest on a view up to max_refresh_period old; one just read (the waits at the
         # end of a step read every PROGRESS_RECHECK_PERIOD, and so does each local step once the step is due) is read
         # again only after that period: the second read, 0.03-0.12 s through links busy with the previous round
-        # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer. A peer
-        # told that a groupmate began this step's round (`_hold_at_share`) does not read: it is in that round, and the
-        # read (10-30 ms through the links the round fills) held its start, which the whole ring waits for
-        if not self.tracker.told_of(self.local_epoch):
-            self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
+        # (benchmarks/compute_utilization.py --debug), came right after the first in every step of every peer
+        self.tracker.refresh_if_older(PROGRESS_RECHECK_PERIOD)
         read_s = time.monotonic() - began
         if isinstance(self.state_averager, ReportingMixin):  # (counted in averaging_rounds; see ReportingMixin)
             self.state_averager.round_reports()  # the parameter rounds' reports, read at every step as the gradients'
