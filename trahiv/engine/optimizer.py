@@ -158,7 +158,6 @@ class SwarmProgressTracker(ProgressTracker):
         self._latest: dict[Any, tuple[int, tuple[Any, Any]]] = {}  # peer -> (step, (subkey, record)) last read
         self.promised = 0  # samples published ahead of their batch (`promise`), not accumulated yet
         self._told_epoch: int | None = None  # the step a groupmate's round of began (`told_complete`)
-        self._given_up_read: Any = None  # a read `refresh_now` stopped waiting for, kept until the next one
         self._first_batch_pending = False  # the next report ends the first batch of training (`start_measuring`)
         self.read_at = -math.inf  # (time.monotonic) when this peer's last `refresh_now` ended
         self._rate_step: tuple[int, float] | None = None  # (step, throughput) this peer reports during that step
@@ -310,8 +309,7 @@ class SwarmProgressTracker(ProgressTracker):
                     break
                 except TimeoutError:
                     if given_up is not None and given_up():
-                        self._given_up_read = future  # (its answer comes to this process later: dropped then)
-                        return False
+                        return False  # (hivemind drops the answer of a future nobody holds any more)
             self.global_progress = self._parse_swarm_progress_data(found.value if found is not None else None)
             self.read_at = time.monotonic()
         return True
