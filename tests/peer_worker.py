@@ -182,7 +182,6 @@ class Recorder(TrainerCallback):
         self.trainer, self.spec, self.out = trainer, spec, out
         self.records = open(out / "records.jsonl", "a", buffering=1)
         self.epoch_before = self.pre_samples = 0
-        self.round_stage: str | None = None
         self.last_loss = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -203,8 +202,6 @@ class Recorder(TrainerCallback):
         self.epoch_before, self.pre_samples = opt.local_epoch, opt.grad_averager.local_samples_accumulated
         self.batch = opt.pending_batch_size
         self.began = time.time()  # before this local step's optimizer step (and any averaging round it runs)
-        control = opt.scheduled_grads  # the step's gradient round, if its search began already: where it is
-        self.round_stage = None if control is None or control.done() else control.stage.name
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.spec.get("sleep_per_step"):
@@ -216,7 +213,6 @@ class Recorder(TrainerCallback):
             "pre_samples": self.pre_samples,
             "batch": self.batch,
             "began": self.began,
-            "round_stage": self.round_stage,
             "t": time.time(),
         }
         self.records.write(json.dumps(line) + "\n")

@@ -143,34 +143,6 @@ def test_a_step_costs_its_compute_not_the_matchmaking_time_and_takes_the_target(
     assert a.params_at()[4]["digest"] == b.params_at()[4]["digest"]
 
 
-def test_a_peer_whose_share_is_one_batch_finds_the_steps_group_while_the_batch_computes(tmp_path, workdir):
-    """Two peers, target 8 = one batch of 4 from each (a share of one batch, as with one accumulated batch per peer and
-    step), 1 s between batches, 5 steps. Once the peers' records carry their throughputs (from step 3: the first batch
-    is no measure, and a record reports the rate its peer had as the step began), each peer looks for the step's group
-    as the step begins (SwarmOptimizer._join_round_as_the_step_begins): as the batch reaches the optimizer, the
-    round's group is found and awaits only its trigger. hivemind looks at scheduling only after a batch: the search
-    began as the step completed (no round yet at that point, as at steps 1 and 2 here), and every round waited for
-    its group. Every step takes exactly the target, every round complete, both peers end at the same values."""
-    boot = start_bootstrap(tmp_path)
-    common = dict(
-        workdir=str(workdir), run_id="early", target=8, max_steps=5, batch_size=4, toy_grad=1.0, sleep_per_step=1.0,
-        initial_peers=boot.initial_peers, mm=4.0, opt={"min_peers": 2, "average_state_every": 1000},
-    )  # fmt: skip
-    try:
-        a, b = start_peer(tmp_path, "a", **common), start_peer(tmp_path, "b", **common)
-        dones = [a.finish(), b.finish()]
-    finally:
-        boot.stop()
-    for peer in (a, b):
-        stages = {row["epoch_before"]: row["round_stage"] for row in peer.records("local") if row["epoch_before"] >= 3}
-        assert stages == {3: "AWAITING_TRIGGER", 4: "AWAITING_TRIGGER"}, (peer.name, stages)
-    for done in dones:
-        assert done["global_step"] == 5, done
-        assert done["averaging_rounds"]["partial"] == done["averaging_rounds"]["failed"] == 0, done
-        assert done["values"] == pytest.approx([-5.0] * 4, abs=1e-5), done
-    assert samples_per_epoch([a, b]) == {step: 8 for step in range(5)}
-
-
 @pytest.mark.parametrize("busy_core", [False, True], ids=["idle", "one-core-busy"])
 def test_fast_steps_keep_two_peers_in_step(tmp_path, workdir, busy_core):
     """The run_clm.py case: 2 peers, local steps of a few tens of ms, target_batch_size reached in 2 local steps of

@@ -182,7 +182,7 @@ class CollaborativeFlowCallback(DefaultFlowCallback):
         swarm.wait_for_peers()
         swarm.catch_up()
         state.global_step = self.last_step = opt.local_epoch
-        state.max_steps = opt.final_step = trainer.collaborative_max_steps
+        state.max_steps = trainer.collaborative_max_steps
         state.compute_steps(args, state.max_steps)
         return control
 

@@ -506,7 +506,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._next_progress_check = 0.0
         self._hold_released: int | None = None  # the step in which waiting for the others' reports gave up
         self._last_batch = 0  # samples in this peer's last accumulated batch
-        self.final_step: int | None = None  # the step at which training ends, if known: no round is joined for it
         self._last_transition_s = 0.0  # seconds this peer's last step transition (its averaging rounds) took
         self._step_began = 0.0  # DHT time at which this peer's current step began (its last transition, or training)
         self._stepped_alone = self._left_behind = False  # see _resync, _average_gradients_and_load_into_optimizer
@@ -818,29 +817,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         differs = self._stepped_alone or (partial and self.tracker.has_other_peers)
         self._resync_epoch = self.local_epoch if differs else None
         self._declare_once_applied(complete=not differs)
-        self._join_round_as_the_step_begins()
-
-    def _join_round_as_the_step_begins(self) -> None:
-        """[synchronous mode] Look for the new step's group as the step begins if the swarm should complete it within
-        half of matchmaking_time (`_join_round_if_near`, the rule a peer at its share follows). hivemind looks at
-        scheduling only after each local batch: a peer whose share is one batch (a common case: one accumulated batch
-        per peer and step) began its search only once that batch was computed, as the step completed, and the round
-        waited for the group. In benchmarks/averaging_round.py (4 peers, 100 Mbit/s links) the group assembled 35-107
-        ms after its last member began its search and reached its members 6-72 ms apart, in every round's time. Now
-        the group is found while the step computes. In background mode (`delay_grad_averaging`) the previous step's
-        round still runs as the step begins and is left to end first, as before."""
-        if (
-            self.auxiliary
-            or self.delay_grad_averaging
-            or self.grad_averager is None
-            or self._last_batch <= 0
-            or not self.tracker.has_other_peers
-            or self.tracker.ready_to_update_epoch
-            or (self.final_step is not None and self.local_epoch >= self.final_step)
-        ):
-            return  # (at the final step a group found would be left at once: its peers' rounds in vain, each partial)
-        self._key_rounds_by_step()  # (the new step's key and expected peers, before its search is sent)
-        self._join_round_if_near(self._contributions(), self._last_batch)
 
     @staticmethod
     def _live_round(control: Any) -> bool:
