@@ -325,7 +325,7 @@ def swarm_worker(spec: dict) -> None:
         before = torch.cat([p.detach().view(-1) for p in params])
         for param, grad in zip(params, local, strict=True):
             param.grad = grad.clone()
-        epoch = optimizer.local_epoch
+        epoch, called = optimizer.local_epoch, time.time()
         optimizer.step(batch_size=1)
         batches += 1
         swarm.publish_model()  # the Trainer's on_step_end: the model record...
@@ -336,7 +336,8 @@ def swarm_worker(spec: dict) -> None:
             moved = before - torch.cat([p.detach().view(-1) for p in params])
             alpha = float((moved - mean_flat) @ spread_flat / (spread_flat @ spread_flat))
             checks.append({
-                "step": epoch, "time": round(time.time(), 3), "samples": batches, "offset": offset, "alpha": alpha,
+                "step": epoch, "time": round(time.time(), 3), "called": round(called, 3), "samples": batches,
+                "offset": offset, "alpha": alpha,
                 "unchanged_fraction": float((moved == local_flat).float().mean()),
                 "relative_error": float((moved - mean_flat - alpha * spread_flat).norm() / mean_flat.norm()),
             })  # fmt: skip
@@ -877,14 +878,24 @@ def run_swarm_peers(
             for proc in procs:
                 stop(proc)
         rows = [json.loads(line) for line in Path(f"{tmp}/rounds.jsonl").read_text().splitlines() if line.strip()]
-    return summarize_swarm(outputs, rows, peers, mbit, name, f"swarm-{allreduce}" if allreduce else "swarm")
+    engine = f"swarm-{allreduce}" if allreduce else "swarm"
+    return summarize_swarm(outputs, rows, peers, mbit, name, engine, args.average_state_every)
 
 
 def summarize_swarm(
-    outputs: list[dict], rows: list[dict], peers: int, mbit: float, name: str, engine: str = "swarm"
+    outputs: list[dict],
+    rows: list[dict],
+    peers: int,
+    mbit: float,
+    name: str,
+    engine: str = "swarm",
+    average_state_every: int = 5,
 ) -> list[dict]:
     """One row per kind of round (gradients, parameters): the slowest peer's all-reduce per round, rounds matched by
-    group; the first gradient round (connections, allocations) is left out as warm-up."""
+    group; the first gradient round (connections, allocations) is left out as warm-up. Gradient rounds also get the
+    steps as a user waits for them (`step_from_last_batch_s`): from the moment the step's last batch reached its
+    peer's optimizer to the moment the last peer's `step()` returned with the update applied, the matchmaking that
+    came after that batch included, over the steps without a parameter round (and the first)."""
     result = []
     for kind in ("grad", "state"):
         groups: dict[str, list[dict]] = {}
@@ -909,6 +920,11 @@ def summarize_swarm(
             for cs in by_step.values() if len(cs) == peers
         ]  # fmt: skip
         complete = all(s == "complete" for s in statuses) and all(len(g) == peers for g in by_round)
+        whole_steps = [  # (the steps every peer checked; a parameter round ends step s when s + 1 is a multiple)
+            max(c["time"] for c in cs) - max(c["called"] for c in cs)
+            for step, cs in sorted(by_step.items())
+            if len(cs) == peers and step >= 1 and (step + 1) % average_state_every != 0 and "called" in cs[0]
+        ]
         if kind == "grad":
             complete = complete and all(c["unchanged_fraction"] < 1e-4 for c in checks)
         roles = sorted({role for group in by_round for r in group for role in r["by_role"]})
@@ -933,6 +949,10 @@ def summarize_swarm(
             "max_relative_error": round(max((c["relative_error"] for c in checks), default=0.0), 5)
             if kind == "grad" else None,
             "max_weighting_error": round(max(weighting_errors, default=0.0), 5) if kind == "grad" else None,
+            **({
+                "step_from_last_batch_s": [round(t, 3) for t in whole_steps],
+                "step_from_last_batch_ratio_to_bound": round(statistics.median(whole_steps) / bound, 3),
+            } if kind == "grad" and whole_steps and bound else {}),
             "samples_per_step": sorted({sum(c["samples"] for c in cs) for cs in by_step.values()})
             if kind == "grad" else None,
             "compress_s": outputs[0]["compress_s"], "decompress_s": outputs[0]["decompress_s"],
