@@ -327,6 +327,7 @@ def swarm_worker(spec: dict) -> None:
             param.grad = grad.clone()
         epoch, called = optimizer.local_epoch, time.time()
         optimizer.step(batch_size=1)
+        returned = time.time()
         batches += 1
         swarm.publish_model()  # the Trainer's on_step_end: the model record...
         if optimizer.local_epoch > epoch:
@@ -336,8 +337,8 @@ def swarm_worker(spec: dict) -> None:
             moved = before - torch.cat([p.detach().view(-1) for p in params])
             alpha = float((moved - mean_flat) @ spread_flat / (spread_flat @ spread_flat))
             checks.append({
-                "step": epoch, "time": round(time.time(), 3), "called": round(called, 3), "samples": batches,
-                "offset": offset, "alpha": alpha,
+                "step": epoch, "time": round(time.time(), 3), "called": round(called, 3),
+                "returned": round(returned, 3), "samples": batches, "offset": offset, "alpha": alpha,
                 "unchanged_fraction": float((moved == local_flat).float().mean()),
                 "relative_error": float((moved - mean_flat - alpha * spread_flat).norm() / mean_flat.norm()),
             })  # fmt: skip
@@ -894,8 +895,9 @@ def summarize_swarm(
     """One row per kind of round (gradients, parameters): the slowest peer's all-reduce per round, rounds matched by
     group; the first gradient round (connections, allocations) is left out as warm-up. Gradient rounds also get the
     steps as a user waits for them (`step_from_last_batch_s`): from the moment the step's last batch reached its
-    peer's optimizer to the moment the last peer's `step()` returned with the update applied, the matchmaking that
-    came after that batch included, over the steps without a parameter round (and the first)."""
+    peer's optimizer to the moment the last peer's `step()` returned with the update applied (the waits for the
+    others' reports and the matchmaking that came after that batch included, the benchmark's own checks left out),
+    over the steps without a parameter round (and the first)."""
     result = []
     for kind in ("grad", "state"):
         groups: dict[str, list[dict]] = {}
@@ -921,9 +923,9 @@ def summarize_swarm(
         ]  # fmt: skip
         complete = all(s == "complete" for s in statuses) and all(len(g) == peers for g in by_round)
         whole_steps = [  # (the steps every peer checked; a parameter round ends step s when s + 1 is a multiple)
-            max(c["time"] for c in cs) - max(c["called"] for c in cs)
+            max(c["returned"] for c in cs) - max(c["called"] for c in cs)
             for step, cs in sorted(by_step.items())
-            if len(cs) == peers and step >= 1 and (step + 1) % average_state_every != 0 and "called" in cs[0]
+            if len(cs) == peers and step >= 1 and (step + 1) % average_state_every != 0 and "returned" in cs[0]
         ]
         if kind == "grad":
             complete = complete and all(c["unchanged_fraction"] < 1e-4 for c in checks)
