@@ -674,15 +674,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         held = time.monotonic()
         deadline = held + min(HOLD_MAX, HOLD_MIN + 2 * missing / others_rate)
         settled, last_seen, target = 0, None, tracker.target_batch_size
-        # the first read comes at once: peers whose batches end together (equal shares of one batch each) all held a
-        # whole period before their first look, and the step's last report, in the DHT by then or nearly, was seen
-        # only a period (and a read) after it was made: 80-110 ms of each such step's 1.4 s in
-        # benchmarks/averaging_round.py (4 peers, 8-bit, 100 Mbit/s links)
-        wait = 0.0
         with tracker.performance_ema.pause():  # waiting is not this peer's throughput
             while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
-                first, wait = wait == 0.0, PROGRESS_RECHECK_PERIOD
-                if not first and self._until_told(wait):
+                if self._until_told(PROGRESS_RECHECK_PERIOD):
                     # a groupmate of this step's round began it: it read the step complete. This peer begins too,
                     # without reading the progress again: that read, through links the groupmate's round now fills,
                     # took 10-60 ms (benchmarks/averaging_round.py), and the ring waits for its last peer. The weight
@@ -700,8 +694,6 @@ class SwarmOptimizer(hivemind.Optimizer):
                 # slower) is waited for: with only "every peer reported some samples", a peer that began 1.2 s after
                 # the other filled the "shortfall" while the other was computing its second batch (20 samples for a
                 # target of 16)
-                if first:
-                    continue  # (a read at once counts no settling: the others' reports may still be on their way)
                 now = get_dht_time()
                 done = all(stopped_at_share(c, batch, share_of_target(target, c, seen), now) for c in seen)
                 in_place = reported.get(own_id) == own.samples and done
