@@ -925,8 +925,8 @@ def summarize_swarm(
         whole_steps = [  # (the steps every peer checked; a parameter round ends step s when s + 1 is a multiple)
             max(c["returned"] for c in cs) - max(c["called"] for c in cs)
             for step, cs in sorted(by_step.items())
-            if len(cs) == peers and step >= 1 and (step + 1) % average_state_every != 0 and "returned" in cs[0]
-        ]
+            if len(cs) == peers and step >= 1 and (step + 1) % average_state_every != 0
+        ] if kind == "grad" else []  # fmt: skip
         if kind == "grad":
             complete = complete and all(c["unchanged_fraction"] < 1e-4 for c in checks)
         roles = sorted({role for group in by_round for r in group for role in r["by_role"]})
@@ -953,8 +953,9 @@ def summarize_swarm(
             "max_weighting_error": round(max(weighting_errors, default=0.0), 5) if kind == "grad" else None,
             **({
                 "step_from_last_batch_s": [round(t, 3) for t in whole_steps],
-                "step_from_last_batch_ratio_to_bound": round(statistics.median(whole_steps) / bound, 3),
-            } if kind == "grad" and whole_steps and bound else {}),
+                "step_from_last_batch_ratio_to_bound":
+                    round(statistics.median(whole_steps) / bound, 3) if bound else None,
+            } if whole_steps else {}),
             "samples_per_step": sorted({sum(c["samples"] for c in cs) for cs in by_step.values()})
             if kind == "grad" else None,
             "compress_s": outputs[0]["compress_s"], "decompress_s": outputs[0]["decompress_s"],
