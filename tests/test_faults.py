@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,20 @@ def test_a_peer_whose_engine_process_dies_stops_with_one_message(tmp_path, workd
     if fault == "kill_dht":
         assert resumed.ready()["start_step"] == step, resumed.ready()
         assert resumed.records("begin")[0]["digest"] == last["digest"], "resumed with other weights than b's last"
+        # b's progress record outlives b, a step behind the resumed peer as its training ends: b does not answer pings,
+        # so it is not served (before: for averaging_timeout + matchmaking_time, 32 s)
+        assert served_for(resumed.log()) < 10, resumed.log()[-3000:]
+
+
+def served_for(log: str) -> float:
+    """Seconds a peer whose training ended served its state to late peers, from its log (0 if it served none)."""
+    times = [
+        datetime.strptime(line[:15], "%b %d %H:%M:%S")
+        for line in log.splitlines()
+        if re.match(r"\w{3} \d\d \d\d:\d\d:\d\d \[trahiv\] (Training ended at step \d+: serving|Stopped serving)", line)
+    ]
+    assert len(times) in (0, 2), times
+    return (times[1] - times[0]).total_seconds() if times else 0.0
 
 
 def frozen_pair(tmp: Path, workdir: Path, run_id: str, *, max_steps: int, at_step: int, seconds: float) -> tuple:

@@ -419,6 +419,15 @@ class SwarmProgressTracker(ProgressTracker):
             self._ping(record, now, 0)
         return False
 
+    def gone(self, record: LocalTrainingProgress) -> bool:
+        """Whether the peer of this record no longer answers pings, whatever this peer is doing (`_gone`: pings go out
+        in the background, so a peer counts until its second one goes unanswered). A client-mode peer serves no pings:
+        it is never gone by this."""
+        if record.client_mode:
+            return False
+        with self._own_lock:  # (the fetch thread pings too: `_without_the_gone`)
+            return self._gone(record)
+
     def _ping(self, record: LocalTrainingProgress, now: float, missed: int) -> tuple[float, float, Any, int]:
         peer = PeerID(record.peer_id).to_base58()
         self._pings[record.peer_id] = ping = (record.time, now, unreachable_peers_future(self.dht, [peer]), missed)
@@ -1063,8 +1072,11 @@ class SwarmOptimizer(hivemind.Optimizer):
 
         def late() -> list[bytes]:
             self.tracker.refresh_now()
-            records = self.tracker.active_peers.values()  # (less the peers gone: they no longer answer pings)
-            return [r.peer_id for r in records if r.peer_id != own and r.epoch == step - 1]
+            # (asked with pings here: `active_peers` keeps a silent record while this peer has no samples in its step,
+            # so a dead peer's record, which outlives it by up to a minute, was served that whole wait: 32 s of the
+            # peer resumed in tests/test_faults.py's kill_dht case)
+            records = self.tracker.active_peers.values()
+            return [r.peer_id for r in records if r.peer_id != own and r.epoch == step - 1 and not self.tracker.gone(r)]
 
         serve_while_late(
             late,
