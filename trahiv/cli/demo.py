@@ -58,16 +58,16 @@ def run_swarm(args: argparse.Namespace) -> int:
     aux_peer = "" if args.no_dashboard else " + 1 auxiliary peer (dashboard)"
     print(f"trahiv demo: {args.peers} trainer peers + 1 bootstrap peer{aux_peer} on 127.0.0.1, working in {workdir}",
           flush=True)  # fmt: skip
-    prepare_workdir(workdir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     trainer_env = {**env, "OMP_NUM_THREADS": str(threads)}
-    print(f"Each trainer computes with {trainer_env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)", flush=True)
     command = [sys.executable, "-m", "trahiv.cli.main"]
     addresses_file = workdir / "initial_peers.json"
     addresses_file.unlink(missing_ok=True)  # a re-run in the same workdir: never join the last run's stopped peer
     processes: list[subprocess.Popen] = []
     deadline = time.monotonic() + args.timeout
     try:
+        # the bootstrap peer starts (imports, p2p daemon: ~3 s) while this process makes the tokenizer, weights and
+        # data: one after the other, the demo waited for both
         processes.append(
             subprocess.Popen(
                 [*command, "dht", "--no-nat-port-map", "--addresses-file", str(addresses_file)],
@@ -75,6 +75,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 stdout=subprocess.DEVNULL,
             )
         )
+        prepare_workdir(workdir)
+        print(f"Each trainer computes with {trainer_env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)", flush=True)
         initial_peers = _wait_for_addresses(addresses_file, processes[0])
         print(f"Bootstrap peer is up. To join the training, use initial_peers = {initial_peers}", flush=True)
         aux = None if args.no_dashboard else _start_aux(command, env, workdir, args, initial_peers)
