@@ -31,13 +31,15 @@ def workdir(tmp_path_factory):
     return prepare_workdir(tmp_path_factory.mktemp("demo-data"))
 
 
-# The slowest files first (worker-seconds measured with `-n 2 --dist loadfile`): with pytest-xdist each file runs on one
-# worker, and a long file started last would run alone at the end while the other worker idles.
+# The slowest files first (worker-seconds measured with `-n 2 --dist loadfile`, run GA of docs/history.md): with
+# pytest-xdist each file runs on one worker, and a long file started last would run alone at the end while the other
+# worker idles.
 SLOWEST_FIRST = (
-    "test_diloco.py", "test_byzantine.py", "test_swarm.py", "test_faults.py", "test_nat.py", "test_cli.py",
-    "test_diloco_resume.py", "test_connectivity.py", "test_auth.py", "test_errors.py", "test_optim8bit.py",
-    "test_aux_checkpoints.py", "test_revert.py", "test_diloco_revert.py", "test_lora.py", "test_trl.py",
-    "test_aux.py", "test_aux_auth.py", "test_examples.py", "test_diloco_aux.py",
+    "test_diloco.py", "test_faults.py", "test_swarm.py", "test_cli.py", "test_matchmaking.py", "test_nat.py",
+    "test_engine.py", "test_byzantine.py", "test_ring.py", "test_auth.py", "test_partial_rounds.py", "test_aux.py",
+    "test_examples.py", "test_optim8bit.py", "test_errors.py", "test_connectivity.py", "test_revert.py",
+    "test_diloco_aux.py", "test_aux_checkpoints.py", "test_diloco_revert.py", "test_data.py", "test_memory.py",
+    "test_wire_protocol.py", "test_doctor.py", "test_trl.py", "test_aux_auth.py", "test_diloco_resume.py",
 )  # fmt: skip
 
 
