@@ -109,7 +109,7 @@ def test_trainers_that_never_average_are_warned(tmp_path, workdir):
     trainer's SilenceWatch, fed by the swarm's optimizer, warns once after 3 collaborative steps without averaging."""
     bootstrap = start_bootstrap(tmp_path)
     common = dict(workdir=str(workdir), run_id="silent", target=16, batch_size=8, max_steps=4, scheduler="constant")
-    common.update(initial_peers=bootstrap.initial_peers, opt={"min_peers": 2, "averaging_timeout": 5.0})
+    common.update(initial_peers=bootstrap.initial_peers, opt={"min_peers": 2, "averaging_timeout": 3.0})
     common["sleep_per_step"] = 0.5  # compute time: 0.1 s steps would finish before the peers' progress meets
     try:
         peers = [start_peer(tmp_path, f"p{i}", dht={"client_mode": True}, **common) for i in range(2)]
