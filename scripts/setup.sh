@@ -22,14 +22,26 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 "${PYTHON:-python3}" -m venv .venv
-# torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build
-.venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-# the rest through uv, pinned (it downloads, unpacks and compiles in parallel: the whole set-up took 72 s against
-# pip's 175 s, the same packages and versions); with pip where uv cannot be installed or fails. --compile-bytecode, as
-# pip does: without .pyc files every process compiled what it imported (PYTHONDONTWRITEBYTECODE is set here), 1.7 s
-# more per `import trahiv.swarm`, and pytest took 1,328 s instead of 1,058-1,101
-if .venv/bin/pip install --quiet --disable-pip-version-check uv==0.13.9 \
-  && .venv/bin/uv pip install --quiet --compile-bytecode --python .venv/bin/python -c constraints.txt -e ".[dev,trl]"; then
+# uv installs (it downloads, unpacks and compiles in parallel: the whole set-up took 72 s against pip's 175 s, the
+# same packages and versions); pip where uv cannot be installed or fails
+uv=""
+if .venv/bin/pip install --quiet --disable-pip-version-check uv==0.13.9; then
+  uv=.venv/bin/uv
+fi
+# torch first and pinned: 2.13.0 is a CPU build on local disk (the folders in PIP_FIND_LINKS); an unpinned torch would
+# pull a multi-GB CUDA build. Through uv where those folders are named (12 s against pip's 27 s), else pip
+links=()
+for link in ${PIP_FIND_LINKS:-}; do
+  links+=(--find-links "$link")
+done
+if [ -z "$uv" ] || [ "${#links[@]}" -eq 0 ] \
+  || ! "$uv" pip install --quiet --compile-bytecode --python .venv/bin/python "${links[@]}" torch==2.13.0; then
+  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+fi
+# the rest through uv, pinned. --compile-bytecode, as pip does: without .pyc files every process compiled what it
+# imported (PYTHONDONTWRITEBYTECODE is set here), 1.7 s more per `import trahiv.swarm`, and pytest took 1,328 s
+# instead of 1,058-1,101
+if [ -n "$uv" ] && "$uv" pip install --quiet --compile-bytecode --python .venv/bin/python -c constraints.txt -e ".[dev,trl]"; then
   :
 else
   echo "setup: uv failed (above); installing with pip" >&2
