@@ -5,8 +5,6 @@ gradient checkpointing, a late peer downloading the 8-bit optimizer state, and c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 import transformers
-from swarm_helpers import ENV, TESTS, Peer, start_bootstrap
+from swarm_helpers import TESTS, Peer, start_bootstrap, start_peer
 from transformers import TrainerCallback
 
 from trahiv import Trainer, TrainingArguments
@@ -191,15 +189,9 @@ def test_each_8_bit_optimizer_keeps_its_own_32_bit_overrides():
 
 
 def start_worker(tmp: Path, name: str, **spec: Any) -> Peer:
-    """swarm_helpers.start_peer, with the 8-bit worker."""
-    out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {"out": str(out), **spec}
-    (out / "spec.json").write_text(json.dumps(spec))
-    log = open(out / "log.txt", "w")
-    command = [sys.executable, str(WORKER), str(out / "spec.json")]
-    process = subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-    return Peer(name, out, process, spec)
+    """swarm_helpers.start_peer, with the 8-bit worker (forked from the warm fork server: as a fresh interpreter each
+    peer took 9-11 s to start, its imports most of it)."""
+    return start_peer(tmp, name, worker=WORKER.name, **spec)
 
 
 def optimizer_rows(peer: Peer) -> dict[tuple[str, int], dict]:
