@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
-from swarm_helpers import ENV, TESTS, Peer, start_bootstrap
+from swarm_helpers import Peer, start_bootstrap, start_peer
 
 import trahiv
 from trahiv.config import REDACTED
@@ -84,13 +81,8 @@ def test_plain_trahiv_arguments_are_converted_not_dropped(tmp_path):
 
 
 def start_trl_peer(tmp, name: str, **spec) -> Peer:
-    out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {"out": str(out), **spec}
-    (out / "spec.json").write_text(json.dumps(spec))
-    command = [sys.executable, str(TESTS / "trl_worker.py"), str(out / "spec.json")]
-    log = open(out / "log.txt", "w")
-    return Peer(name, out, subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=tmp), spec)
+    """swarm_helpers.start_peer, with the TRL worker (forked from the warm fork server, as the other peers are)."""
+    return start_peer(tmp, name, worker="trl_worker.py", **spec)
 
 
 @pytest.mark.swarm
