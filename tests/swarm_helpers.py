@@ -46,6 +46,16 @@ class Bootstrap:
         stop(self.process)
 
 
+def start_trahiv(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen | Forked:
+    """`trahiv ARGV`, its output in `log`: forked from the fork server as the peers are (tests/zygote.py; a fresh
+    interpreter spent 4-6 s importing), or a subprocess with TRAHIV_TEST_NO_FORK. Not for a command that needs an
+    environment of its own: what the fork server imported read the environment then (huggingface_hub's endpoint)."""
+    if os.environ.get("TRAHIV_TEST_NO_FORK"):
+        command = [sys.executable, "-m", "trahiv.cli.main", *argv]
+        return subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=cwd)
+    return spawn(TESTS / "cli_worker.py", argv, log=log, cwd=cwd, env=PEER_ENV)
+
+
 def start_bootstrap(tmp: Path) -> Bootstrap:
     """`trahiv dht` (forked from the fork server, as the peers are: tests/zygote.py), once it wrote its addresses."""
     addresses = tmp / "bootstrap.json"

@@ -13,15 +13,13 @@ import concurrent.futures
 import json
 import math
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from swarm_helpers import ENV, process_tree, start_peer, stop, wait_exited, wait_for
+from swarm_helpers import process_tree, start_peer, start_trahiv, stop, wait_exited, wait_for
 
 from trahiv.auxiliary.collector import Collector, aggregate_step
 from trahiv.auxiliary.store import MetricsStore, default_store_url
@@ -376,18 +374,18 @@ MALFORMED_ID = "QmMa1formedPeer1111111111111111111111111111111"
 
 
 def start_aux(tmp: Path, name: str, output_dir: Path, *extra: str) -> SimpleNamespace:
-    """`trahiv aux` in a subprocess; returns once it printed its join addresses."""
+    """`trahiv aux` (`start_trahiv`); returns once it printed its join addresses."""
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
     opt = {"run_id": RUN_ID, "target_batch_size": TARGET, "matchmaking_time": 2.0, "averaging_timeout": 30.0,
            "average_state_every": STATE_EVERY}  # theirs  # fmt: skip
     config = {"dht": {"nat_port_map": False}, "opt": opt}
-    command = [
-        sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config), "--output-dir", str(output_dir),
+    argv = [
+        "aux", "--config", json.dumps(config), "--output-dir", str(output_dir),
         "--period", "0.5", "--max-steps", str(MAX_STEPS), "--addresses-file", str(out / "addresses.json"), *extra,
     ]  # fmt: skip
     log = out / "log.txt"
-    process = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    process = start_trahiv(argv, log, tmp)
 
     def addresses():
         if process.poll() is not None:

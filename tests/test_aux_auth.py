@@ -6,12 +6,10 @@ through its); with an unknown or banned token it fails at start with the server'
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from swarm_helpers import ENV, start_peer, stop, wait_for
+from swarm_helpers import start_peer, start_trahiv, stop, wait_for
 from test_auth import AuthServer, start_server
 
 from trahiv.auxiliary.checkpoints import list_checkpoints, load_checkpoint
@@ -67,12 +65,12 @@ def test_aux_peer_is_refused_at_start_with_the_servers_reason(server, tmp_path, 
 @pytest.mark.swarm
 def test_aux_peer_with_a_token_collects_metrics_and_checkpoints(server, tmp_path, workdir):
     out, addresses, log = tmp_path / "aux", tmp_path / "aux-addresses.json", tmp_path / "aux.log"
-    command = [
-        sys.executable, "-m", "trahiv.cli.main", "aux", "--config", _config(server, _add_user(server, "keeper")),
+    argv = [
+        "aux", "--config", _config(server, _add_user(server, "keeper")),
         "--output-dir", str(out), "--report-to", "none", "--addresses-file", str(addresses), "--period", "1",
         "--model", str(workdir / "model"), "--checkpoint-every", "1", "--state-poll", "0.5", "--average",
     ]  # fmt: skip
-    aux = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    aux = start_trahiv(argv, log, tmp_path)
     try:
 
         def joined() -> list[str] | None:

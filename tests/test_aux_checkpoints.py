@@ -13,7 +13,8 @@ import pytest
 import torch
 from hub_standin import HubStandIn
 from safetensors.torch import load_file
-from swarm_helpers import ENV, start_peer, stop, wait_for
+from swarm_helpers import ENV, start_peer, start_trahiv, stop, wait_for
+from zygote import Forked
 
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
@@ -146,14 +147,19 @@ def start_aux(tmp: Path, workdir: Path, *extra: str, env: dict | None = None) ->
     addresses = tmp / "aux-addresses.json"
     addresses.unlink(missing_ok=True)
     config = json.dumps({"dht": {"nat_port_map": False}, "opt": {"run_id": RUN, "target_batch_size": 16}})
-    command = [
-        sys.executable, "-m", "trahiv.cli.main", "aux", "--config", config, "--output-dir", str(out),
+    argv = [
+        "aux", "--config", config, "--output-dir", str(out),
         "--report-to", "none", "--addresses-file", str(addresses), "--period", "1",
         "--model", str(workdir / "model"), "--checkpoint-every", "1", "--keep-checkpoints", "2", "--state-poll", "0.5",
         *extra,
     ]  # fmt: skip
     log = tmp / f"aux-{len(list(tmp.glob('aux-*.log')))}.log"
-    process = subprocess.Popen(command, env=env or ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    process: subprocess.Popen | Forked
+    if env is None:
+        process = start_trahiv(argv, log, tmp)
+    else:  # (an environment of its own, the Hub stand-in's: a fresh interpreter reads it)
+        command = [sys.executable, "-m", "trahiv.cli.main", *argv]
+        process = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
     def joined() -> list[str] | None:
         if process.poll() is not None:

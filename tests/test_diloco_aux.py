@@ -6,12 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from swarm_helpers import ENV, start_peer, stop, wait_for
+from swarm_helpers import start_peer, start_trahiv, stop, wait_for
 
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
@@ -37,12 +36,12 @@ def start_aux(tmp: Path, workdir: Path, name: str = "aux") -> tuple[subprocess.P
     out, addresses, log = tmp / "auxiliary", tmp / f"{name}-addresses.json", tmp / f"{name}.log"
     config = {"dht": {"nat_port_map": False}, "opt": {"run_id": RUN, "target_batch_size": 1},
               "diloco": {"inner_steps": INNER_STEPS}}  # fmt: skip
-    command = [
-        sys.executable, "-m", "trahiv.cli.main", "aux", "--config", json.dumps(config), "--output-dir", str(out),
+    argv = [
+        "aux", "--config", json.dumps(config), "--output-dir", str(out),
         "--report-to", "none", "--addresses-file", str(addresses), "--period", "0.5",
         "--model", str(workdir / "model"), "--checkpoint-every", "1", "--keep-checkpoints", "10", "--state-poll", "0.5",
     ]  # fmt: skip
-    process = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    process = start_trahiv(argv, log, tmp)
 
     def joined() -> list[str] | None:
         if process.poll() is not None:
