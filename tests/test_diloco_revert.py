@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
-from swarm_helpers import ENV, Peer, start_peer, stop, wait_for
+from swarm_helpers import Peer, start_peer, start_trahiv, stop, wait_for
 from test_auth import join_addresses, start_server
 
 from trahiv.auxiliary.checkpoints import swarm_parameters
@@ -78,11 +76,11 @@ def test_revert_returns_every_diloco_peer_to_the_checkpoints_outer_state(tmp_pat
         config = {"dht": {"initial_peers": initial_peers, "nat_port_map": False},
                   "opt": {"run_id": RUN, "target_batch_size": 1}, "diloco": {"inner_steps": H},
                   "auth": {"server": server.url, "token": tokens["moderator"]}}  # fmt: skip
-        command = [sys.executable, "-m", "trahiv.cli.main", "revert", "--config", json.dumps(config),
-                   "--checkpoint", str(checkpoint), "--admin-token-file", str(admin), "--serve-for", "300",
-                   "--order-file", str(order_file)]  # fmt: skip
+        argv = ["revert", "--config", json.dumps(config),
+                "--checkpoint", str(checkpoint), "--admin-token-file", str(admin), "--serve-for", "300",
+                "--order-file", str(order_file)]  # fmt: skip
         log = tmp_path / "moderator.log"
-        moderator = subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        moderator = start_trahiv(argv, log, tmp_path)
         wait_for(lambda: moderator.poll() is None and order_file.exists(), 120, "the revert order")
 
         def trained_on() -> bool:  # both reverted, then synced at least once more

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from swarm_helpers import ENV, TESTS, start_peer, wait_for
+from swarm_helpers import ENV, TESTS, start_peer, start_trahiv, wait_for
 from test_auth import AuthServer, join_addresses, start_server, stop_all
 
 from trahiv.auth import keys
@@ -209,11 +209,11 @@ def test_revert_returns_every_trainer_to_the_checkpoint(server: AuthServer, tmp_
                   "opt": {"run_id": RUN, "target_batch_size": 16},
                   "auth": {"server": server.url, "token": tokens["moderator"]}}  # fmt: skip
         order_file = tmp_path / "order.json"
-        command = [sys.executable, "-m", "trahiv.cli.main", "revert", "--config", json.dumps(config),
-                   "--checkpoint", str(folder), "--admin-token-file", str(Path(server_folder(server)) / "admin"),
-                   "--reason", "test", "--serve-for", "300", "--order-file", str(order_file)]  # fmt: skip
+        argv = ["revert", "--config", json.dumps(config),
+                "--checkpoint", str(folder), "--admin-token-file", str(Path(server_folder(server)) / "admin"),
+                "--reason", "test", "--serve-for", "300", "--order-file", str(order_file)]  # fmt: skip
         moderator_log = tmp_path / "moderator.log"
-        moderator = subprocess.Popen(command, env=ENV, stdout=open(moderator_log, "w"), stderr=subprocess.STDOUT)
+        moderator = start_trahiv(argv, moderator_log, tmp_path)
         others.append(moderator)
         wait_for(lambda: moderator.poll() is None and order_file.exists(), 120, "the revert order")
         for peer in peers.values():
