@@ -46,27 +46,21 @@ class Bootstrap:
         stop(self.process)
 
 
-def start_trahiv(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen | Forked:
+def start_trahiv(argv: list[str], log: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen | Forked:
     """`trahiv ARGV`, its output in `log`: forked from the fork server as the peers are (tests/zygote.py; a fresh
-    interpreter spent 4-6 s importing), or a subprocess with TRAHIV_TEST_NO_FORK. Not for a command that needs an
-    environment of its own: what the fork server imported read the environment then (huggingface_hub's endpoint)."""
-    if os.environ.get("TRAHIV_TEST_NO_FORK"):
+    interpreter spent 4-6 s importing), or a subprocess with TRAHIV_TEST_NO_FORK or an environment of its own, `env`
+    (what the fork server imported read the environment then: huggingface_hub's endpoint)."""
+    if env is not None or os.environ.get("TRAHIV_TEST_NO_FORK"):
         command = [sys.executable, "-m", "trahiv.cli.main", *argv]
-        return subprocess.Popen(command, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=cwd)
+        return subprocess.Popen(command, env=env or ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=cwd)
     return spawn(TESTS / "cli_worker.py", argv, log=log, cwd=cwd, env=PEER_ENV)
 
 
 def start_bootstrap(tmp: Path) -> Bootstrap:
-    """`trahiv dht` (forked from the fork server, as the peers are: tests/zygote.py), once it wrote its addresses."""
+    """`trahiv dht` (`start_trahiv`), once it wrote its addresses."""
     addresses = tmp / "bootstrap.json"
     addresses.unlink(missing_ok=True)  # a run again in the same directory: not the last bootstrap's address
-    argv = ["dht", "--no-nat-port-map", "--addresses-file", str(addresses)]
-    process: subprocess.Popen | Forked
-    if os.environ.get("TRAHIV_TEST_NO_FORK"):
-        command = [sys.executable, "-m", "trahiv.cli.main", *argv]
-        process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / "bootstrap.log", "w"))
-    else:
-        process = spawn(TESTS / "cli_worker.py", argv, log=tmp / "bootstrap.log", cwd=tmp, env=PEER_ENV)
+    process = start_trahiv(["dht", "--no-nat-port-map", "--addresses-file", str(addresses)], tmp / "bootstrap.log", tmp)
     peers = wait_for(
         lambda: addresses.exists() and addresses.stat().st_size and json.loads(addresses.read_text()),
         60,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import torch
 from hub_standin import HubStandIn
 from safetensors.torch import load_file
 from swarm_helpers import ENV, start_peer, start_trahiv, stop, wait_for
-from zygote import Forked
 
 from trahiv.auxiliary.checkpoints import (
     SwarmState,
@@ -154,12 +152,7 @@ def start_aux(tmp: Path, workdir: Path, *extra: str, env: dict | None = None) ->
         *extra,
     ]  # fmt: skip
     log = tmp / f"aux-{len(list(tmp.glob('aux-*.log')))}.log"
-    process: subprocess.Popen | Forked
-    if env is None:
-        process = start_trahiv(argv, log, tmp)
-    else:  # (an environment of its own, the Hub stand-in's: a fresh interpreter reads it)
-        command = [sys.executable, "-m", "trahiv.cli.main", *argv]
-        process = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    process = start_trahiv(argv, log, tmp, env=env)  # (with `env`, the Hub stand-in's: a fresh interpreter reads it)
 
     def joined() -> list[str] | None:
         if process.poll() is not None:
