@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from hivemind.dht.validation import RecordValidatorBase
 from swarm_helpers import ENV, alive, process_tree, wait_for
 
 from trahiv import engine
@@ -132,6 +133,86 @@ def test_engine_processes_leave_what_they_inherited_out_of_their_collections():
     assert frozen >= inherited // 2, (frozen, inherited)
     assert walked < frozen // 4, (walked, frozen)  # what the DHT process made since it started
     assert gc.get_freeze_count() == 0
+
+
+class _CountingValidator(RecordValidatorBase):
+    """A record validator that counts its checks (in the process that validates) and rejects forged values."""
+
+    checked = 0
+
+    def validate(self, record: Any) -> bool:
+        type(self).checked += 1
+        return b"forged" not in record.value
+
+    def sign_value(self, record: Any) -> bytes:
+        return record.value
+
+    def strip_value(self, record: Any) -> bytes:
+        return record.value
+
+    @property
+    def priority(self) -> int:
+        return 0
+
+    def merge_with(self, other: Any) -> bool:
+        return False
+
+
+async def _validations(_dht: Any, _node: Any) -> int:
+    """Run in a DHT process: the records its counting validator checked."""
+    return _CountingValidator.checked
+
+
+@pytest.mark.parametrize("code", ["trahiv", "hivemind"])
+def test_a_dht_node_validates_a_record_it_accepted_once(code, monkeypatch):
+    """Engine fix 16: a DHT node validated every record of every answer, so a read of a dictionary value (the swarm's
+    progress, one subkey per peer) checked N records (RSA signatures, pydantic) from each replica at every read: more
+    than half of a DHT process's CPU at 16 peers. A record accepted once is not checked again; with hivemind's
+    validation as the control, each of 5 reads checks all 8 records again."""
+    import hivemind
+    from hivemind.dht.validation import CompositeValidator
+    from hivemind.utils import get_dht_time
+
+    if code == "hivemind":  # (the DHT processes fork from this one and inherit the control)
+        monkeypatch.setattr(CompositeValidator, "validate", CompositeValidator.validate.__wrapped__)
+    a = hivemind.DHT(start=True, nat_port_map=False, record_validators=[_CountingValidator()])
+    b = hivemind.DHT(
+        start=True, nat_port_map=False, initial_peers=a.get_visible_maddrs(), record_validators=[_CountingValidator()]
+    )
+    try:
+        expiration = get_dht_time() + 60
+        for i in range(8):
+            assert a.store("progress", f"record {i}", expiration, subkey=f"peer {i}")
+        stored = b.run_coroutine(_validations)  # b holds a replica: each record checked as it arrived
+        for _ in range(5):
+            found = b.get("progress", latest=True)
+            assert found is not None and len(found.value) == 8
+        read = b.run_coroutine(_validations) - stored
+        assert read == (0 if code == "trahiv" else 5 * 8), (stored, read)
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+def test_only_accepted_records_are_remembered_and_a_new_validator_checks_them_again():
+    """Engine fix 16's memory: a rejected record is checked at every read, a record with another value or expiration
+    is another record, and a validator added later sees every record (it may reject what the others accepted)."""
+    from hivemind.dht.validation import CompositeValidator, DHTRecord
+
+    first, second = _CountingValidator(), _CountingValidator()
+    composite = CompositeValidator([first])
+    _CountingValidator.checked = 0
+    record = DHTRecord(b"key", b"subkey", b"value", 100.0)
+    forged = DHTRecord(b"key", b"subkey", b"forged value", 100.0)
+    assert composite.validate(record) and composite.validate(record)
+    assert _CountingValidator.checked == 1
+    assert not composite.validate(forged) and not composite.validate(forged)
+    assert _CountingValidator.checked == 3
+    assert composite.validate(DHTRecord(b"key", b"subkey", b"value", 101.0))
+    assert _CountingValidator.checked == 4
+    composite.extend([second])  # (merge_with is False: both validators check every record)
+    assert composite.validate(record)
+    assert _CountingValidator.checked == 6
 
 
 _HOLD: Any = None  # a multiprocessing.Event, created before the DHT process forks (it inherits it)

@@ -100,6 +100,15 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    does not know. Such a part now makes the search ask its sender next (`PotentialLeaders.pop_next_leader` wrapped:
    whatever the time the sender declared, once per group), and the sender, a member of that group (its leader or a
    follower), sends it the group (12): it joins the round that counted it in (tests/test_matchmaking.py).
+16. Records validated again at every read: a DHT node validates each record of every answer it gets, and a
+   dictionary value (the swarm's progress: one subkey per peer) is validated record by record, each an RSA signature
+   check (its public key parsed from the subkey first) and a pydantic validation, again at every read and from every
+   replica that answers it. At 16 peers on 127.0.0.1 that was more than half of a DHT process's CPU during training
+   (a py-spy profile of benchmarks/swarm_cost.py: 377 of 715 samples under `DHTProtocol._validate_dictionary`), and it
+   grows with the swarm: a read validates N records from each replica. hivemind's validators are functions of the
+   record alone (key, subkey, value, expiration), so a record accepted once is accepted again: each node now keeps the
+   last `VALID_RECORDS_KEPT` records it accepted and does not check them again; adding a validator forgets them (it
+   may reject what the others accepted). A record that fails is checked every time, as before (tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -137,6 +146,7 @@ GROUPS_KEPT = 4  # the groups an averager was in last (led or followed) that a m
 # the owner sets meanwhile (set by trahiv.engine.averagers.EpochKeyedMatchmaking; read by fix 10's look_for_group)
 SEARCH_BITS: contextvars.ContextVar[str | None] = contextvars.ContextVar("trahiv_search_bits", default=None)
 PARENT_POLL_SECONDS = 0.25
+VALID_RECORDS_KEPT = 4096  # records a DHT node accepted and does not validate again (fix 16): ~1 KB each
 _applied = False
 
 
@@ -161,6 +171,7 @@ def apply() -> None:
     _send_the_group_to_a_member_asking_again()
     _ask_senders_of_unknown_groups()
     _cancel_the_step_first()
+    _remember_valid_records()
     _applied = True
 
 
@@ -1073,3 +1084,36 @@ def _cancel_the_step_first() -> None:
 
     cancel._trahiv_step_first = True  # type: ignore[attr-defined]
     _replace(StepControl, "cancel", cancel)
+
+
+# 16. Records validated again at every read --------------------------------------------------------------------------
+
+
+def _remember_valid_records() -> None:
+    import collections
+
+    from hivemind.dht.validation import CompositeValidator, DHTRecord
+
+    if getattr(CompositeValidator.validate, "_trahiv_remembered", False):
+        return
+    hivemind_validate, hivemind_extend = CompositeValidator.validate, CompositeValidator.extend
+
+    def validate(self, record: DHTRecord) -> bool:  # type: ignore[no-untyped-def]
+        accepted = self.__dict__.setdefault("_trahiv_accepted", collections.OrderedDict())
+        if record in accepted:  # (the same key, subkey, value bytes and expiration: hivemind's answer was True)
+            accepted.move_to_end(record)
+            return True
+        if not hivemind_validate(self, record):
+            return False
+        accepted[record] = None
+        if len(accepted) > VALID_RECORDS_KEPT:
+            accepted.popitem(last=False)
+        return True
+
+    def extend(self, validators: typing.Iterable[Any]) -> None:  # type: ignore[no-untyped-def]
+        hivemind_extend(self, validators)
+        self.__dict__.pop("_trahiv_accepted", None)  # a validator added may reject what the others accepted
+
+    validate._trahiv_remembered = True  # type: ignore[attr-defined]
+    _replace(CompositeValidator, "validate", validate)
+    _replace(CompositeValidator, "extend", extend)

@@ -514,6 +514,19 @@ INTERNALS: tuple[Internal, ...] = (
         "method",
         "(self, key: 'DHTKey', value: 'DHTValue', expiration_time: 'DHTExpiration', subkey: 'Optional[Subkey]', future: 'MPFuture', **kwargs)",
     ),
+    # trahiv.engine.fixes, 16: a DHT node does not validate again a record it accepted
+    Internal(
+        "hivemind.dht.validation:CompositeValidator",
+        "validate",
+        "method",
+        "(self, record: hivemind.dht.validation.DHTRecord) -> bool",
+    ),
+    Internal(
+        "hivemind.dht.validation:CompositeValidator",
+        "extend",
+        "method",
+        "(self, validators: Iterable[hivemind.dht.validation.RecordValidatorBase]) -> None",
+    ),
     # fixes 8 and 9: the request pipes read in the engine processes, the process-wide locks their children share
     Internal("hivemind.dht.dht:DHT", "_inner_pipe", "instance", None),
     Internal("hivemind.averaging.averager:DecentralizedAverager", "_inner_pipe", "instance", None),
