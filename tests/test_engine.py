@@ -195,8 +195,9 @@ def test_a_dht_node_validates_a_record_it_accepted_once(code, monkeypatch):
 
 
 def test_only_accepted_records_are_remembered_and_a_new_validator_checks_them_again():
-    """Engine fix 16's memory: a rejected record is checked at every read, a record with another value or expiration
-    is another record, and a validator added later sees every record (it may reject what the others accepted)."""
+    """Engine fix 16's memory: a rejected record is checked at every read, and so is a large one (any peer may store
+    those under keys no validator protects); a record with another value or expiration is another record, and a
+    validator added later sees every record (it may reject what the others accepted)."""
     from hivemind.dht.validation import CompositeValidator, DHTRecord
 
     first, second = _CountingValidator(), _CountingValidator()
@@ -210,9 +211,12 @@ def test_only_accepted_records_are_remembered_and_a_new_validator_checks_them_ag
     assert _CountingValidator.checked == 3
     assert composite.validate(DHTRecord(b"key", b"subkey", b"value", 101.0))
     assert _CountingValidator.checked == 4
+    large = DHTRecord(b"key", b"subkey", b"x" * engine.fixes.VALID_RECORD_MAX_BYTES, 100.0)
+    assert composite.validate(large) and composite.validate(large)
+    assert _CountingValidator.checked == 6
     composite.extend([second])  # (merge_with is False: both validators check every record)
     assert composite.validate(record)
-    assert _CountingValidator.checked == 6
+    assert _CountingValidator.checked == 8
 
 
 _HOLD: Any = None  # a multiprocessing.Event, created before the DHT process forks (it inherits it)

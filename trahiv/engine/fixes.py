@@ -107,8 +107,9 @@ Each fix is small, idempotent, and has a test in tests/test_engine.py:
    (a py-spy profile of benchmarks/swarm_cost.py: 377 of 715 samples under `DHTProtocol._validate_dictionary`), and it
    grows with the swarm: a read validates N records from each replica. hivemind's validators are functions of the
    record alone (key, subkey, value, expiration), so a record accepted once is accepted again: each node now keeps the
-   last `VALID_RECORDS_KEPT` records it accepted and does not check them again; adding a validator forgets them (it
-   may reject what the others accepted). A record that fails is checked every time, as before (tests/test_engine.py).
+   last `VALID_RECORDS_KEPT` records it accepted (of at most `VALID_RECORD_MAX_BYTES` each) and does not check them
+   again; adding a validator forgets them (it may reject what the others accepted). A record that fails, or a larger
+   one, is checked every time, as before (tests/test_engine.py).
 (The `client_mode` bug is fixed in `trahiv.engine.optimizer.SwarmOptimizer`, which passes the DHT's mode explicitly.)
 """
 
@@ -147,6 +148,7 @@ GROUPS_KEPT = 4  # the groups an averager was in last (led or followed) that a m
 SEARCH_BITS: contextvars.ContextVar[str | None] = contextvars.ContextVar("trahiv_search_bits", default=None)
 PARENT_POLL_SECONDS = 0.25
 VALID_RECORDS_KEPT = 4096  # records a DHT node accepted and does not validate again (fix 16): ~1 KB each
+VALID_RECORD_MAX_BYTES = 8192  # larger records are validated every time: what fix 16 keeps stays under 32 MB
 _applied = False
 
 
@@ -1105,6 +1107,8 @@ def _remember_valid_records() -> None:
             return True
         if not hivemind_validate(self, record):
             return False
+        if len(record.key) + len(record.subkey or b"") + len(record.value) > VALID_RECORD_MAX_BYTES:
+            return True  # (anyone may store large records under keys no validator protects: not kept)
         accepted[record] = None
         if len(accepted) > VALID_RECORDS_KEPT:
             accepted.popitem(last=False)
