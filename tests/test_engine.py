@@ -188,7 +188,10 @@ def test_a_dht_node_validates_a_record_it_accepted_once(code, monkeypatch):
             found = b.get("progress", latest=True)
             assert found is not None and len(found.value) == 8
         read = b.run_coroutine(_validations) - stored
-        assert read == (0 if code == "trahiv" else 5 * 8), (stored, read)
+        if code == "trahiv":
+            assert read == 0, (stored, read)
+        else:
+            assert read >= 5 * 8, (stored, read)  # (each read checks the 8 records again)
     finally:
         b.shutdown()
         a.shutdown()

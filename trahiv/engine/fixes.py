@@ -1101,7 +1101,9 @@ def _remember_valid_records() -> None:
     hivemind_validate, hivemind_extend = CompositeValidator.validate, CompositeValidator.extend
 
     def validate(self, record: DHTRecord) -> bool:  # type: ignore[no-untyped-def]
-        accepted = self.__dict__.setdefault("_trahiv_accepted", collections.OrderedDict())
+        accepted = self.__dict__.get("_trahiv_accepted")
+        if accepted is None:
+            accepted = self._trahiv_accepted = collections.OrderedDict()
         if record in accepted:  # (the same key, subkey, value bytes and expiration: hivemind's answer was True)
             accepted.move_to_end(record)
             return True
